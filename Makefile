@@ -1,0 +1,42 @@
+# adaloss: `make help` lists the targets.
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.DEFAULT_GOAL := help
+.PHONY: help setup test test-full lint format demo bench clean
+
+help: ## list the targets
+	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  %-14s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	@touch $(STAMP)
+
+setup: $(STAMP) ## create .venv (Python 3.11) and install the pinned dependencies; quick when nothing changed
+
+test: setup ## run the test suite on the CPU (under 10 minutes on 2 cores)
+	$(PY) -m pytest -q -m "not slow" tests
+
+test-full: setup ## run every test, the slow ones included
+	$(PY) -m pytest -q tests
+
+lint: setup ## ruff lint and format check
+	$(VENV)/bin/ruff check src tests scripts train.py
+	$(VENV)/bin/ruff format --check src tests scripts train.py
+
+format: setup ## ruff auto-format and fix
+	$(VENV)/bin/ruff format src tests scripts train.py
+	$(VENV)/bin/ruff check --fix src tests scripts train.py
+
+demo: setup ## train ResNet-20 on digits under FP32 and every FP16 scaler; print the comparison table
+	$(PY) scripts/demo.py
+
+bench: setup ## step-time ratios (emulated FP16 / FP32, scalers / none, telemetry) printed as a table
+	$(PY) scripts/bench.py
+
+clean: ## remove the virtual environment and caches
+	rm -rf $(VENV) .pytest_cache .ruff_cache
