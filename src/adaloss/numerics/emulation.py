@@ -1,0 +1,515 @@
+"""CPU emulation of autocast mixed precision: compute in FP32, store in the low-precision format.
+
+Real FP16 kernels on a CPU are far slower than FP32 ones, so on the CPU we emulate the numerics of CUDA
+``torch.autocast(dtype=float16)`` instead: every op computes in FP32, and every value that autocast would
+*store* in the low-precision format is rounded to it (:func:`round_to_format`). Following autocast's op
+lists, :class:`EmulatedAutocast` tracks which tensors are "virtually FP16" and rounds at exactly these points:
+
+- inputs of GEMM ops (conv, linear, matmul, ...): the per-step FP16 copy of each FP32 weight and bias, and
+  any FP32 activation entering a GEMM. Rounding a weight is an autograd op whose backward rounds the weight
+  gradient, so weight gradients are FP16 values before they reach the FP32 master copy, as with autocast's
+  cast ops;
+- outputs of GEMM ops and of every op that autocast runs in FP16 (batch norm, additions, pooling, ...);
+  the same autograd op rounds, in the backward pass, the activation gradient with respect to that output;
+- ops on autocast's FP32 list (softmax, losses, norms, exp/log, sum, ...) produce FP32 values and are not
+  rounded; ops whose inputs mix FP32 and FP16 tensors promote to FP32, as type promotion does;
+- value-preserving ops (ReLU, max-pooling, views, concatenation, indexing) are not rounded: their outputs
+  are already representable.
+
+Rounding maps magnitudes at or below half the smallest subnormal to zero and those past the largest finite
+value to infinity, so underflow and overflow happen exactly where the real format has them.
+
+Where emulation differs from real FP16 hardware: (1) GEMM and reduction results are accumulated in FP32 in
+the order of the CPU kernels and rounded once; CUDA tensor cores also accumulate in FP32 but in a different
+order, so results differ by rounding noise, never by underflow or overflow of the stored values. (2) Ops
+inside a fused CUDA kernel (e.g. cuDNN batch norm) may keep intermediates in FP32 where the emulation does
+too; ops we classify wrongly would only differ by one rounding. (3) Gradients that autograd sums at a branch
+are summed in FP32 and rounded once where the branch's producer rounds them.
+
+Cost: one rounding pass (two casts) per stored tensor and a small Python overhead per op call; see
+``make bench`` for the measured ratio against FP32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from adaloss.numerics.formats import FloatFormat, round_to_format
+
+__all__ = ["EmulatedAutocast", "active_emulation", "suspended", "Probe", "LayerNames"]
+
+_LP_ATTR = "_adaloss_lowp"  # marks a tensor whose values are representable in the active format
+
+# Ops that autocast runs in the low-precision format with all floating inputs cast (CUDA fp16 list).
+_GEMM_OPS = {
+    "conv1d",
+    "conv2d",
+    "conv3d",
+    "conv_transpose1d",
+    "conv_transpose2d",
+    "conv_transpose3d",
+    "convolution",
+    "_convolution",
+    "conv_tbc",
+    "linear",
+    "matmul",
+    "mm",
+    "bmm",
+    "addmm",
+    "addmv",
+    "addbmm",
+    "baddbmm",
+    "mv",
+    "chain_matmul",
+    "prelu",
+    "einsum",
+    "addr",
+}
+# Ops that autocast runs in FP32 (CUDA "autocast to float32" list).
+_FP32_OPS = {
+    "acos",
+    "asin",
+    "cosh",
+    "erfinv",
+    "exp",
+    "expm1",
+    "log",
+    "log10",
+    "log2",
+    "log1p",
+    "reciprocal",
+    "rsqrt",
+    "sinh",
+    "tan",
+    "pow",
+    "softplus",
+    "layer_norm",
+    "group_norm",
+    "norm",
+    "normalize",
+    "frobenius_norm",
+    "nuclear_norm",
+    "cosine_similarity",
+    "poisson_nll_loss",
+    "cosine_embedding_loss",
+    "nll_loss",
+    "nll_loss2d",
+    "hinge_embedding_loss",
+    "kl_div",
+    "l1_loss",
+    "smooth_l1_loss",
+    "huber_loss",
+    "mse_loss",
+    "margin_ranking_loss",
+    "multilabel_margin_loss",
+    "soft_margin_loss",
+    "triplet_margin_loss",
+    "multi_margin_loss",
+    "binary_cross_entropy_with_logits",
+    "dist",
+    "pdist",
+    "cdist",
+    "renorm",
+    "logsumexp",
+    "softmax",
+    "log_softmax",
+    "softmin",
+    "cross_entropy",
+    "sum",
+    "prod",
+    "cumsum",
+    "cumprod",
+    "rpow",
+    "rdiv",
+    "rtruediv",
+    "vector_norm",
+    "linalg_vector_norm",
+}
+# Ops whose outputs take values from their inputs (or are exact): no rounding needed.
+_EXACT_OPS = {
+    "relu",
+    "relu6",
+    "threshold",
+    "hardtanh",
+    "clamp",
+    "clip",
+    "max_pool1d",
+    "max_pool2d",
+    "max_pool3d",
+    "_max_pool1d",
+    "_max_pool2d",
+    "_max_pool3d",
+    "max_pool1d_with_indices",
+    "max_pool2d_with_indices",
+    "adaptive_max_pool1d",
+    "adaptive_max_pool2d",
+    "view",
+    "view_as",
+    "reshape",
+    "reshape_as",
+    "flatten",
+    "unflatten",
+    "permute",
+    "transpose",
+    "t",
+    "contiguous",
+    "clone",
+    "detach",
+    "squeeze",
+    "unsqueeze",
+    "expand",
+    "expand_as",
+    "repeat",
+    "cat",
+    "concat",
+    "concatenate",
+    "stack",
+    "split",
+    "chunk",
+    "unbind",
+    "narrow",
+    "select",
+    "getitem",
+    "index_select",
+    "gather",
+    "pad",
+    "flip",
+    "roll",
+    "max",
+    "min",
+    "amax",
+    "amin",
+    "maximum",
+    "minimum",
+    "neg",
+    "abs",
+    "sign",
+    "movedim",
+    "split_with_sizes",
+    "tensor_split",
+    "masked_fill",
+    "where",
+    "zero",
+    "pixel_shuffle",
+    "pixel_unshuffle",
+    "channel_shuffle",
+    "topk",
+    "sort",
+    "identity",
+}
+# Ops whose output dtype follows their first input regardless of parameter dtypes (cuDNN batch norm).
+_FOLLOW_INPUT_OPS = {"batch_norm", "instance_norm", "_batch_norm_impl_index", "native_batch_norm"}
+# Dropout scales kept values by 1/(1-p), which is not exact: its output is rounded like any FP16 op.
+_DROPOUT_OPS = {"dropout", "feature_alpha_dropout", "alpha_dropout", "dropout2d", "dropout3d"}
+
+_state = threading.local()
+
+
+def active_emulation() -> EmulatedAutocast | None:
+    """The innermost active :class:`EmulatedAutocast`, or None. Used by ops that do their own rounding."""
+    stack = getattr(_state, "stack", None)
+    return stack[-1] if stack else None
+
+
+@contextlib.contextmanager
+def suspended() -> Iterator[None]:
+    """Turn the emulation's op interception off inside a custom op that rounds explicitly."""
+    prev = getattr(_state, "suspended", False)
+    _state.suspended = True
+    try:
+        yield
+    finally:
+        _state.suspended = prev
+
+
+def is_low_precision(t: torch.Tensor) -> bool:
+    return getattr(t, _LP_ATTR, False)
+
+
+def mark_low_precision(t: torch.Tensor) -> torch.Tensor:
+    setattr(t, _LP_ATTR, True)
+    return t
+
+
+def _op_name(func: Any) -> str:
+    name = getattr(func, "__name__", "") or ""
+    if name.startswith("__") and name.endswith("__"):
+        name = name[2:-2]
+        if name.startswith("i") and name[1:] in {"add", "sub", "mul", "truediv", "div", "pow", "matmul"}:
+            return name[1:] + "_"  # in-place dunder
+        if name.startswith("r") and name[1:] in {"add", "sub", "mul", "matmul"}:
+            name = name[1:]
+    return name
+
+
+class Probe:
+    """Counts activation-gradient underflow for one layer: elements non-zero before rounding, zero after.
+
+    Counts accumulate as device tensors (no host sync); the monitor reads them once per telemetry step.
+    """
+
+    __slots__ = ("fmt", "underflow", "numel", "nonzero")
+
+    def __init__(self, fmt: FloatFormat) -> None:
+        self.fmt = fmt
+        self.underflow: torch.Tensor | None = None
+        self.nonzero: torch.Tensor | None = None
+        self.numel = 0
+
+    def record(self, grad: torch.Tensor, rounded: torch.Tensor | None = None) -> None:
+        if rounded is None:
+            rounded = round_to_format(grad, self.fmt)
+        nz = grad != 0
+        lost = (nz & (rounded == 0)).sum()
+        nzc = nz.sum()
+        self.underflow = lost if self.underflow is None else self.underflow + lost
+        self.nonzero = nzc if self.nonzero is None else self.nonzero + nzc
+        self.numel += grad.numel()
+
+
+class _Round(torch.autograd.Function):
+    """Store a value in the low-precision format: round forward, round the gradient backward.
+
+    This is the emulated counterpart of autocast's casts: the forward rounding is the FP16 copy, and the
+    backward rounding is the FP16 gradient of that copy. ``fmt=None`` rounds nothing (FP32 telemetry).
+    ``grad_fmt`` is the format gradients are stored in (the same as ``fmt`` except for FP8 gradients).
+    """
+
+    @staticmethod
+    def forward(ctx, x, fmt, grad_fmt, probe):  # type: ignore[override]
+        ctx.grad_fmt = grad_fmt
+        ctx.probe = probe
+        return round_to_format(x, fmt) if fmt is not None else x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        fmt, probe = ctx.grad_fmt, ctx.probe
+        if fmt is not None:
+            rounded = round_to_format(grad, fmt)
+            if probe is not None:
+                probe.record(grad, rounded)
+            return rounded, None, None, None
+        if probe is not None:
+            probe.record(grad)
+        return grad, None, None, None
+
+
+class _RoundInplace(torch.autograd.Function):
+    """In-place variant for results of in-place ops (``out += identity``)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, fmt: FloatFormat, grad_fmt: FloatFormat):  # type: ignore[override]
+        ctx.fmt = grad_fmt
+        x.copy_(round_to_format(x, fmt))
+        ctx.mark_dirty(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return round_to_format(grad, ctx.fmt), None, None
+
+
+def round_value(
+    x: torch.Tensor, fmt: FloatFormat | None, probe: Probe | None = None, grad_fmt: FloatFormat | None = None
+) -> torch.Tensor:
+    """Round ``x`` to ``fmt`` and, in backward, its gradient to ``grad_fmt`` (default ``fmt``).
+
+    The result is marked low precision. Without autograd this is a plain rounding.
+    """
+    if x.requires_grad and torch.is_grad_enabled():
+        out = _Round.apply(x, fmt, grad_fmt if grad_fmt is not None else fmt, probe)
+    else:
+        out = round_to_format(x, fmt) if fmt is not None else x
+        if out is x:
+            out = x.view_as(x)
+    return mark_low_precision(out) if fmt is not None else out
+
+
+class LayerNames:
+    """Tracks which named module is running, so GEMM ops can be attributed to layers like ``layer3.2.conv1``.
+
+    Installed by :meth:`adaloss.precision.Precision.prepare` as forward pre/post hooks on GEMM modules.
+    """
+
+    def __init__(self) -> None:
+        self._stack: list[str] = []
+
+    def push(self, name: str) -> None:
+        self._stack.append(name)
+
+    def pop(self) -> None:
+        if self._stack:
+            self._stack.pop()
+
+    @property
+    def current(self) -> str | None:
+        return self._stack[-1] if self._stack else None
+
+
+LAYER_NAMES = LayerNames()
+
+
+def _float_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    out = []
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            if a.is_floating_point():
+                out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out.extend(t for t in a if isinstance(t, torch.Tensor) and t.is_floating_point())
+    return out
+
+
+class EmulatedAutocast(TorchFunctionMode):
+    """A ``TorchFunctionMode`` that emulates autocast's low-precision storage by rounding (module docstring).
+
+    Args:
+        fmt (FloatFormat or None): the format values are stored in; ``None`` rounds nothing, which lets an
+            FP32 run measure underflow against ``probe_format`` without changing its numerics.
+        monitor (optional): an :class:`adaloss.telemetry.UnderflowMonitor`; when given, the gradient with
+            respect to each named GEMM layer's output is counted for underflow in the backward pass.
+        grad_fmt (FloatFormat, optional): the format gradients are stored in, if not ``fmt`` (FP8 gradients
+            with FP16 activations).
+    """
+
+    def __init__(
+        self, fmt: FloatFormat | None, monitor: Any = None, grad_fmt: FloatFormat | None = None
+    ) -> None:
+        super().__init__()
+        self.fmt = fmt
+        self.grad_fmt = grad_fmt if grad_fmt is not None else fmt
+        self.monitor = monitor
+        self._kinds: dict[Any, str] = {}
+
+    # -- context management: keep a stack so custom ops can find the active emulation -----------------
+    def __enter__(self):
+        stack = getattr(_state, "stack", None)
+        if stack is None:
+            stack = _state.stack = []
+        stack.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _state.stack.pop()
+        return super().__exit__(*exc)
+
+    def probe_for(self, name: str | None) -> Probe | None:
+        if self.monitor is None or name is None:
+            return None
+        return self.monitor.probe(name)
+
+    def _classify(self, func: Any) -> str:
+        kind = self._kinds.get(func)
+        if kind is None:
+            name = _op_name(func)
+            base = name[:-1] if name.endswith("_") and not name.startswith("_") else name
+            if base in _GEMM_OPS:
+                kind = "gemm"
+            elif base in _FP32_OPS:
+                kind = "fp32"
+            elif base in _DROPOUT_OPS:
+                kind = "default"
+            elif base in _EXACT_OPS:
+                kind = "exact"
+            elif base in _FOLLOW_INPUT_OPS:
+                kind = "follow"
+            elif base in {"float", "double"}:
+                kind = "to_fp32"
+            elif base in {"half", "bfloat16"}:
+                kind = "to_lowp"
+            else:
+                kind = "default"
+            if kind not in {"gemm", "to_fp32", "to_lowp"} and name.endswith("_") and not name.startswith("_"):
+                kind += "_inplace"
+            self._kinds[func] = kind
+        return kind
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(_state, "suspended", False):
+            return func(*args, **kwargs)
+        kind = self._classify(func)
+        fmt = self.fmt
+
+        if kind == "gemm":
+            probe = self.probe_for(LAYER_NAMES.current)
+            if fmt is not None:
+                args = tuple(self._cast_input(a) for a in args)
+                kwargs = {k: self._cast_input(v) for k, v in kwargs.items()}
+            out = func(*args, **kwargs)
+            if isinstance(out, torch.Tensor) and out.is_floating_point():
+                if fmt is None and probe is None:
+                    return out
+                return round_value(out, fmt, probe, self.grad_fmt)
+            return out
+
+        if fmt is None:  # FP32 telemetry: only GEMM outputs are probed
+            return func(*args, **kwargs)
+
+        if kind in ("fp32", "fp32_inplace"):
+            return func(*args, **kwargs)
+        if kind == "to_fp32":
+            return func(*args, **kwargs)  # a new FP32 tensor: not marked
+        if kind == "to_lowp":
+            out = func(*args, **kwargs)
+            return round_value(out.float(), fmt, None, self.grad_fmt) if out.is_floating_point() else out
+
+        inputs = _float_tensors(args, kwargs)
+        out = func(*args, **kwargs)
+        if not inputs:
+            return out
+        if kind.startswith("follow"):
+            lowp = is_low_precision(inputs[0])
+        else:
+            # Type promotion: a dimensioned FP32 tensor makes the result FP32; 0-dim tensors don't count
+            # unless every input is 0-dim.
+            dimensioned = [t for t in inputs if t.dim() > 0] or inputs
+            lowp = all(is_low_precision(t) for t in dimensioned)
+        if not lowp:
+            return out
+        if kind.startswith("exact"):
+            return self._mark_outputs(out)
+        if kind.endswith("_inplace"):
+            if isinstance(out, torch.Tensor) and out.is_floating_point():
+                if out.requires_grad and torch.is_grad_enabled():
+                    out = _RoundInplace.apply(out, fmt, self.grad_fmt)
+                else:
+                    out.copy_(round_to_format(out, fmt))
+                return mark_low_precision(out)
+            return out
+        if isinstance(out, torch.Tensor):
+            return round_value(out, fmt, None, self.grad_fmt) if out.is_floating_point() else out
+        if isinstance(out, (tuple, list)):
+            return type(out)(
+                round_value(o, fmt, None, self.grad_fmt)
+                if isinstance(o, torch.Tensor) and o.is_floating_point()
+                else o
+                for o in out
+            )
+        return out
+
+    def _cast_input(self, a: Any) -> Any:
+        if isinstance(a, torch.Tensor):
+            if a.is_floating_point() and not is_low_precision(a):
+                return round_value(a, self.fmt, None, self.grad_fmt)
+            return a
+        if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor):
+            return type(a)(self._cast_input(t) for t in a)
+        return a
+
+    @staticmethod
+    def _mark_outputs(out: Any) -> Any:
+        if isinstance(out, torch.Tensor):
+            if out.is_floating_point():
+                mark_low_precision(out)
+        elif isinstance(out, (tuple, list)):
+            for o in out:
+                if isinstance(o, torch.Tensor) and o.is_floating_point():
+                    mark_low_precision(o)
+        return out
