@@ -1,0 +1,95 @@
+"""Loss scalers: ``none``, ``fixed``, ``dynamic`` and the paper's layer-wise ``adaptive``.
+
+All share ``LossScaler``'s interface (``torch.amp.GradScaler``'s method names); ``build_scaler`` makes one
+from the ``scaler`` config group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from adaloss.errors import ConfigError
+from adaloss.scalers.base import LossScaler, OptState
+from adaloss.scalers.dynamic import DynamicLossScaler
+from adaloss.scalers.static import FixedLossScaler, NoLossScaler
+
+if TYPE_CHECKING:
+    from adaloss.numerics import FloatFormat
+
+__all__ = [
+    "SCALER_NAMES",
+    "DynamicLossScaler",
+    "FixedLossScaler",
+    "LossScaler",
+    "NoLossScaler",
+    "OptState",
+    "build_scaler",
+]
+
+#: The values ``scaler.name`` accepts, in the order of the paper's tables.
+SCALER_NAMES = ("none", "fixed", "dynamic", "adaptive")
+
+# The config fields each scaler reads; anything else is a typo and is refused rather than ignored.
+# ``consecutive_hysteresis`` is optional (DeepSpeed's switch; the YAML need not carry it).
+_FIELDS: dict[str, tuple[str, ...]] = {
+    "none": ("name",),
+    "fixed": ("name", "scale"),
+    "dynamic": (
+        "name",
+        "init_scale",
+        "growth_factor",
+        "backoff_factor",
+        "growth_interval",
+        "min_scale",
+        "max_scale",
+        "hysteresis",
+        "consecutive_hysteresis",
+    ),
+}
+
+
+def build_scaler(cfg: Mapping[str, Any], fmt: FloatFormat | None = None) -> LossScaler:
+    """Build the loss scaler named by ``cfg["name"]`` from the ``scaler`` config group.
+
+    Missing fields take the class defaults (``fixed``: scale 128; ``dynamic``: GradScaler's 2**16, x2, x0.5,
+    every 2000 steps, plus ``min_scale`` 1, no ``max_scale``, ``hysteresis`` 1). Numbers may be strings, as
+    they arrive from the command line. ``fmt`` is the training format (``None`` for FP32); only ``adaptive``
+    uses it, to know the underflow threshold ``u_min`` it scales against.
+
+    Raises:
+        ConfigError: for an unknown name, an unknown field, or a value out of range.
+    """
+    if not isinstance(cfg, Mapping):
+        raise ConfigError(f"scaler must be a config group with a name, got {cfg!r}; e.g. scaler=dynamic")
+    raw_name = cfg.get("name")
+    name = str(raw_name).strip().lower() if raw_name is not None else ""
+    if name not in SCALER_NAMES:
+        raise ConfigError(f"unknown scaler {raw_name!r}; choose scaler= one of {', '.join(SCALER_NAMES)}")
+    if name == "adaptive":
+        return _build_adaptive(cfg, fmt)
+
+    unknown = sorted(str(key) for key in cfg if key not in _FIELDS[name])
+    if unknown:
+        known = ", ".join(_FIELDS[name][1:]) or "none"
+        raise ConfigError(f"scaler={name} has no field(s) {', '.join(unknown)}; its fields are: {known}")
+    options = {key: cfg[key] for key in _FIELDS[name][1:] if key in cfg}
+    if name == "none":
+        return NoLossScaler()
+    if name == "fixed":
+        return FixedLossScaler(**options)
+    return DynamicLossScaler(**options)
+
+
+def _build_adaptive(cfg: Mapping[str, Any], fmt: FloatFormat | None) -> LossScaler:
+    # Imported lazily: the adaptive scaler pulls in torch.fx machinery the other scalers do not need.
+    try:
+        from adaloss.scalers.adaptive import AdaptiveLossScaler
+    except ModuleNotFoundError as error:
+        if error.name != "adaloss.scalers.adaptive":
+            raise  # the module exists but one of its own imports is missing: show the real cause
+        raise ConfigError(
+            "scaler=adaptive is not available yet (adaloss/scalers/adaptive.py is missing); "
+            "choose scaler=none, fixed or dynamic"
+        ) from None
+    return AdaptiveLossScaler.from_config(cfg, fmt)

@@ -1,0 +1,495 @@
+"""The loss-scaler interface every scaler shares, and the bookkeeping they all need.
+
+``LossScaler`` owns what does not depend on how the scale is chosen: the per-optimizer state machine
+(READY -> UNSCALED -> STEPPED, reset by ``update()``), the Inf/NaN bookkeeping, skipping ``optimizer.step()``
+on an overflow, the counters and the checkpoint format. A subclass decides only how the scale is chosen and
+applied, through the hooks listed in the class docstring.
+
+The scalar loss scale is kept on the host as a Python float. ``step()`` must read the Inf/NaN flag on the host
+anyway (to decide whether to call ``optimizer.step()``), so updating the scale on the host costs nothing more,
+and plain Python makes hysteresis and clamping easy to read. The device only ever sees a cached 0-dim copy of
+the scale, made without a host-device sync.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, ClassVar, TypeVar
+
+import torch
+from torch import nn
+
+from adaloss.errors import ConfigError
+
+__all__ = ["LossScaler", "OptState"]
+
+_Outputs = TypeVar("_Outputs")
+
+
+class OptState(Enum):
+    """Where one optimizer is in the current iteration: nothing yet, grads unscaled, or stepped."""
+
+    READY = 0
+    UNSCALED = 1
+    STEPPED = 2
+
+
+@dataclass
+class _OptimizerRecord:
+    """What the scaler knows about one optimizer since the last ``update()``."""
+
+    stage: OptState = OptState.READY
+    found_inf: torch.Tensor | None = None  # 0-dim float32 on the grads' device; > 0 means Inf/NaN was seen
+    found_inf_host: bool | None = None  # the same flag once read on the host (by step())
+
+
+class LossScaler:
+    """Base class of the loss scalers: scale the loss, unscale and check the grads, skip overflowing steps.
+
+    * ``scaler.scale(loss)`` multiplies the loss by the current loss scale, so the backward pass produces
+      scaled gradients that stay above FP16's underflow threshold.
+    * ``scaler.step(optimizer)`` divides the gradients by the scale, checks them for Inf/NaN, and calls
+      ``optimizer.step()`` only if they are all finite; an overflowing step is skipped and counted.
+    * ``scaler.update()`` lets the scaler adjust its scale from the outcome of the iteration.
+
+    Example::
+
+        scaler = build_scaler(cfg.scaler, fmt)
+        model = scaler.attach(model)
+        for x, y in loader:
+            optimizer.zero_grad(set_to_none=True)
+            with precision.autocast():
+                loss = criterion(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)  # optional: only needed to inspect or clip the true gradients
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            scaler.step(optimizer)  # skips optimizer.step() if a gradient is Inf/NaN
+            scaler.update()
+            if not scaler.last_step_skipped:
+                lr_schedule.step()  # a skipped step must not advance the schedule
+
+    The method names and their semantics are those of ``torch.amp.GradScaler``, so a reader who knows it can
+    read this loop. Two differences: every enabled scaler, ``none`` included, skips and counts a step with
+    Inf/NaN gradients, so a diverging FP16 run shows up as skipped steps rather than NaN weights; and the
+    scale lives on the host (see ``get_scale``).
+
+    Extending: a subclass supplies
+
+    * ``_scale_tensor(device) -> Tensor``: the 0-dim float32 scale ``scale()`` multiplies by (default: a
+      cached copy of the host scale ``self._loss_scale``);
+    * ``_unscale_grads_(optimizer) -> Tensor``: divide the optimizer's grads in place and return a 0-dim
+      float32 found-inf flag, without a host sync (default: divide every grad by the scalar scale);
+    * ``_update_scale(found_inf: bool) -> None``: adjust the scale after an iteration (default: keep it);
+    * ``_extra_state() -> dict`` and ``_load_extra_state(state) -> None``: its own checkpoint entries;
+    * ``attach(model) -> nn.Module``: the module to train (default: ``model`` unchanged);
+    * ``loss_scale_metric()``: what the logger records (default: ``get_scale()``).
+
+    Args:
+        init_scale (float, optional, default=1.0): The loss scale before any update.
+        enabled (bool, optional, default=True): If ``False``, every method is a no-op passthrough:
+            ``scale`` returns its argument, ``step`` just calls ``optimizer.step()``, ``update`` does nothing
+            and nothing is counted. The training loop keeps one shape for every configuration.
+    """
+
+    #: The key under which the training checkpoint stores ``state_dict()``.
+    state_dict_key: ClassVar[str] = "scaler"
+    #: The ``scaler.name`` config value that builds this class; stored in the checkpoint to catch mix-ups.
+    name: ClassVar[str] = "base"
+
+    def __init__(self, init_scale: float = 1.0, enabled: bool = True) -> None:
+        self._enabled = bool(enabled)
+        self._loss_scale = to_float32(init_scale)
+        self._scale_cache: dict[torch.device, torch.Tensor] = {}
+        self._last_device: torch.device | None = None
+        self._per_optimizer: defaultdict[int, _OptimizerRecord] = defaultdict(_OptimizerRecord)
+        self._skipped_steps = 0
+        self._overflow_count = 0
+        self._last_step_skipped = False
+
+    # ------------------------------------------------------------------ counters and properties
+
+    @property
+    def skipped_steps(self) -> int:
+        """How many ``step()`` calls skipped ``optimizer.step()`` because a gradient was Inf/NaN."""
+        return self._skipped_steps
+
+    @property
+    def overflow_count(self) -> int:
+        """How many iterations (``update()`` calls) had an Inf/NaN gradient in any optimizer."""
+        return self._overflow_count
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the latest ``step()`` was skipped; if so the trainer must not advance the LR schedule."""
+        return self._last_step_skipped
+
+    def is_enabled(self) -> bool:
+        """Whether this scaler does anything (``enabled=False`` makes every method a passthrough)."""
+        return self._enabled
+
+    # ------------------------------------------------------------------ the training-loop API
+
+    def attach(self, model: nn.Module) -> nn.Module:
+        """Return the module to train. Scalers that act inside the backward pass return a transformed module.
+
+        The base scalers act on the loss and the gradients only, so they return ``model`` unchanged.
+        """
+        return model
+
+    def scale(self, outputs: _Outputs) -> _Outputs:
+        """Multiply a tensor, or a (nested) list or tuple of tensors, by the current loss scale.
+
+        Returns the scaled outputs, or ``outputs`` itself when the scaler is disabled. The scale is a 0-dim
+        device tensor, so this does not synchronize host and device.
+
+        Args:
+            outputs (Tensor or list/tuple of Tensors): Typically the loss; call ``.backward()`` on the result.
+        """
+        if not self._enabled:
+            return outputs
+        return self._scale_nested(outputs)
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide the optimizer's gradients in place by the loss scale and record whether any is Inf/NaN.
+
+        Optional: ``step()`` unscales if this was not called. Call it to inspect or clip the true gradients
+        between the backward pass and ``step()``. It must be called at most once per optimizer per iteration,
+        after all of that optimizer's gradients have been accumulated.
+
+        .. note::
+            Does not synchronize host and device: the Inf/NaN flag stays on the device until ``step()``.
+
+        Raises:
+            RuntimeError: if called twice for ``optimizer`` before ``update()``, or after ``step()``.
+        """
+        if not self._enabled:
+            return
+        record = self._per_optimizer[id(optimizer)]
+        if record.stage is OptState.UNSCALED:
+            raise RuntimeError(
+                "unscale_() has already been called on this optimizer since the last update()."
+            )
+        if record.stage is OptState.STEPPED:
+            raise RuntimeError(
+                "unscale_() was called after step() on this optimizer; call update() to finish the iteration "
+                "before unscaling the next one's gradients."
+            )
+        record.found_inf = self._unscale_grads_(optimizer)
+        record.stage = OptState.UNSCALED
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """Unscale the gradients (unless ``unscale_`` did) and call ``optimizer.step()`` if all are finite.
+
+        If any gradient of ``optimizer`` is Inf/NaN the update is skipped, so neither the parameters nor the
+        optimizer state (momentum, Adam moments, step count) change; ``skipped_steps`` grows by one and
+        ``last_step_skipped`` becomes ``True``. ``*args`` and ``**kwargs`` go to ``optimizer.step()``.
+
+        Returns the result of ``optimizer.step()``, or ``None`` if the step was skipped.
+
+        .. note::
+            Synchronizes host and device once, to read the Inf/NaN flag (as ``GradScaler.step`` does).
+
+        .. note::
+            Closures are not supported. Optimizers that can unscale inside a fused kernel
+            (``_step_supports_amp_scaling``) are driven like any other: correct, but unfused.
+        """
+        if not self._enabled:
+            self._last_step_skipped = False
+            return optimizer.step(*args, **kwargs)
+        if "closure" in kwargs or (args and callable(args[0])):
+            raise RuntimeError("step() does not support closures while loss scaling is enabled.")
+        record = self._per_optimizer[id(optimizer)]
+        if record.stage is OptState.STEPPED:
+            raise RuntimeError("step() has already been called on this optimizer since the last update().")
+        if record.stage is OptState.READY:
+            self.unscale_(optimizer)
+        assert record.found_inf is not None
+        found_inf = bool(record.found_inf.item() != 0.0)  # the one host-device sync of the iteration
+        record.found_inf_host = found_inf
+        record.stage = OptState.STEPPED
+        self._last_step_skipped = found_inf
+        if found_inf:
+            self._skipped_steps += 1
+            return None
+        return optimizer.step(*args, **kwargs)
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """Adjust the loss scale from this iteration's outcome and start the next iteration.
+
+        Call once per iteration, after ``step()`` for every optimizer. If any optimizer saw an Inf/NaN
+        gradient, the iteration counts in ``overflow_count``. With ``new_scale`` the scale is set to that
+        value instead of being adjusted by the scaler's rule (growth and hysteresis counters stay put).
+
+        .. note::
+            Does not synchronize when ``step()`` was called for every optimizer (it reuses the flag
+            ``step()`` read); an optimizer that was only unscaled costs one sync, and so does a tensor
+            ``new_scale``.
+
+        Raises:
+            RuntimeError: if neither ``step()`` nor ``unscale_()`` was called since the last ``update()`` and
+                no ``new_scale`` is given.
+        """
+        if not self._enabled:
+            return
+        records = list(self._per_optimizer.values())
+        if not records and new_scale is None:
+            raise RuntimeError(
+                "update() was called before any step() or unscale_() since the last update(); "
+                "call scaler.step(optimizer) first."
+            )
+        found_inf = any(self._record_found_inf(record) for record in records)
+        if found_inf:
+            self._overflow_count += 1
+        if new_scale is not None:
+            value = float(new_scale.item()) if isinstance(new_scale, torch.Tensor) else float(new_scale)
+            if not (math.isfinite(value) and value > 0.0):
+                raise ValueError(f"update(new_scale=...) needs a finite positive scale, got {value!r}")
+            self._set_loss_scale(value)
+        else:
+            self._update_scale(found_inf)
+        self._per_optimizer = defaultdict(_OptimizerRecord)
+
+    def get_scale(self) -> float:
+        """Return the current loss scale as a Python float (1.0 when disabled).
+
+        .. note::
+            Does not synchronize for the scalar scalers: the scale is kept on the host. A subclass that keeps
+            its scale on the device pays one sync here.
+        """
+        return self._loss_scale if self._enabled else 1.0
+
+    def loss_scale_metric(self) -> float | dict[str, float]:
+        """What the logger records as the loss scale: here the scalar scale (costs as ``get_scale``)."""
+        return self.get_scale()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the scaler's state for the checkpoint (``{}`` when disabled).
+
+        Holds ``name``, ``scale``, the counters ``skipped_steps``, ``overflow_count``, ``last_step_skipped``
+        and the subclass's ``_extra_state()``. Hyperparameters (growth factor, interval, ...) come from the
+        config, not from the checkpoint, so a resumed run may change them. Call after ``update()``.
+        """
+        if not self._enabled:
+            return {}
+        return {
+            "name": self.name,
+            "scale": self._loss_scale,
+            "skipped_steps": self._skipped_steps,
+            "overflow_count": self._overflow_count,
+            "last_step_skipped": self._last_step_skipped,
+            **self._extra_state(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a state returned by ``state_dict()`` (a no-op when disabled).
+
+        Raises:
+            ConfigError: if the state was saved by a different scaler (e.g. ``dynamic`` into ``fixed``).
+            RuntimeError: if the state is empty (saved by a disabled scaler) or lacks an entry.
+        """
+        if not self._enabled:
+            return
+        if not state_dict:
+            raise RuntimeError("the scaler state is empty, probably saved by a scaler with enabled=False.")
+        saved_name = state_dict.get("name", self.name)
+        if saved_name != self.name:
+            raise ConfigError(
+                f"the checkpoint holds state of scaler={saved_name} but this run uses scaler={self.name}; "
+                f"resume with scaler={saved_name} or start a fresh run"
+            )
+        try:
+            self._set_loss_scale(float(state_dict["scale"]))
+            self._skipped_steps = int(state_dict["skipped_steps"])
+            self._overflow_count = int(state_dict["overflow_count"])
+            self._last_step_skipped = bool(state_dict["last_step_skipped"])
+            self._load_extra_state(state_dict)
+        except KeyError as missing:
+            raise RuntimeError(f"the scaler state has no entry {missing}; was it saved by adaloss?") from None
+
+    # ------------------------------------------------------------------ hooks for subclasses
+
+    def _scale_tensor(self, device: torch.device) -> torch.Tensor:
+        """The 0-dim float32 scale on ``device`` that ``scale()`` multiplies by. No host-device sync.
+
+        Copies are cached per device and rebuilt only when the scale changes, so a steady scale costs no
+        allocation. A fresh tensor (not ``fill_``) is made on change because an autograd graph may still hold
+        the old one.
+        """
+        cached = self._scale_cache.get(device)
+        if cached is None:
+            cached = torch.full((), self._loss_scale, dtype=torch.float32, device=device)
+            self._scale_cache[device] = cached
+        self._last_device = device
+        return cached
+
+    def _unscale_grads_(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """Divide every gradient of ``optimizer`` in place by the scale; return the found-inf flag.
+
+        The flag is a 0-dim float32 tensor on the grads' device, > 0 if any gradient held Inf/NaN. No
+        host-device sync: ``torch._amp_foreach_non_finite_check_and_unscale_`` checks and scales in one pass
+        per device/dtype group. The reciprocal is taken in float64 and rounded once, as GradScaler does.
+        """
+        inv_scale = 1.0 / self._loss_scale
+        return self._unscale_grad_groups_(self._grads_by_device_and_dtype(optimizer), inv_scale)
+
+    def _update_scale(self, found_inf: bool) -> None:
+        """Adjust the scale after an iteration; ``found_inf`` says whether any gradient was Inf/NaN.
+
+        Called by ``update()`` once per iteration. The default keeps the scale constant.
+        """
+
+    def _extra_state(self) -> dict[str, Any]:
+        """Checkpoint entries beyond the base ones (scale and counters). Keys must not clash with them."""
+        return {}
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        """Restore what ``_extra_state()`` saved; ``state`` is the whole state dict."""
+
+    # ------------------------------------------------------------------ helpers for subclasses
+
+    def _set_loss_scale(self, value: float) -> None:
+        """Set the host scale (rounded to float32, as the device copy will be) and drop the device copies."""
+        self._loss_scale = to_float32(value)
+        self._scale_cache.clear()
+
+    def _grads_by_device_and_dtype(
+        self, optimizer: torch.optim.Optimizer, allow_fp16: bool = False
+    ) -> dict[torch.device, dict[torch.dtype, list[torch.Tensor]]]:
+        """Group the optimizer's gradients (dense grads, or the values of sparse ones) by device and dtype.
+
+        FP16 gradients are refused unless ``allow_fp16``: unscaling in FP16 would flush to zero the very small
+        values loss scaling exists to keep. Keep FP32 master parameters (autocast does) instead.
+        """
+        groups: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(
+            lambda: defaultdict(list)
+        )
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                grad = param.grad
+                if grad is None:
+                    continue
+                if grad.dtype == torch.float16 and not allow_fp16:
+                    raise ValueError(
+                        "refusing to unscale FP16 gradients: keep FP32 parameters (FP16 only inside autocast)"
+                    )
+                if grad.is_sparse:
+                    if grad.dtype == torch.float16:
+                        # Duplicate indices are summed by coalesce(); the sum may overflow, so check it.
+                        grad = param.grad = grad.coalesce()
+                    grad = grad._values()
+                groups[grad.device][grad.dtype].append(grad)
+        return groups
+
+    def _unscale_grad_groups_(
+        self, groups: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]], inv_scale: float
+    ) -> torch.Tensor:
+        """Multiply each group by ``inv_scale`` in place and return one combined found-inf flag (no sync).
+
+        The flag lives on the first group's device (other devices' flags are copied there asynchronously), or
+        on the device of the last ``scale()`` call (CPU if none) when there are no gradients.
+        """
+        flags: list[torch.Tensor] = []
+        with torch.no_grad():
+            for device, by_dtype in groups.items():
+                found_inf = torch.zeros((), dtype=torch.float32, device=device)
+                inv = torch.full((), inv_scale, dtype=torch.float32, device=device)
+                for grads in by_dtype.values():
+                    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv)
+                flags.append(found_inf)
+        if not flags:
+            return torch.zeros((), dtype=torch.float32, device=self._last_device or "cpu")
+        combined = flags[0]
+        for flag in flags[1:]:
+            combined = combined + flag.to(combined.device, non_blocking=True)
+        return combined
+
+    # ------------------------------------------------------------------ internals
+
+    def _scale_nested(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value * self._scale_tensor(value.device)
+        if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
+            return type(value)(*(self._scale_nested(v) for v in value))
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._scale_nested(v) for v in value)
+        raise TypeError(
+            f"scale() takes a Tensor or a (nested) list/tuple of Tensors, got {type(value).__name__}"
+        )
+
+    @staticmethod
+    def _record_found_inf(record: _OptimizerRecord) -> bool:
+        if record.found_inf_host is not None:
+            return record.found_inf_host
+        if record.found_inf is None:
+            return False
+        return bool(record.found_inf.item() != 0.0)  # only for an optimizer unscaled but never stepped
+
+    def __repr__(self) -> str:
+        state = f"scale={self._loss_scale:g}" if self._enabled else "enabled=False"
+        return f"{type(self).__name__}({state})"
+
+
+# ---------------------------------------------------------------------- shared helpers
+
+
+def to_float32(value: float) -> float:
+    """Round a Python float to the nearest float32, so the host scale equals its device copy exactly."""
+    return float(torch.tensor(float(value), dtype=torch.float32))
+
+
+def positive_number(value: Any, field: str, example: str) -> float:
+    """Parse a finite, strictly positive number from config (numbers may arrive as strings from the CLI).
+
+    Raises ConfigError with a one-line message naming the field, the value and an example fix.
+    """
+    number = _parse_float(value)
+    if number is None or not math.isfinite(number) or number <= 0.0:
+        raise ConfigError(f"{field} must be a positive number, got {value!r}; e.g. {field}={example}")
+    if not math.isfinite(to_float32(number)):
+        raise ConfigError(
+            f"{field} must fit in float32 (at most 3.4e38), got {value!r}; e.g. {field}={example}"
+        )
+    return number
+
+
+def number_in_range(value: Any, field: str, low: float, high: float, bounds: str, example: str) -> float:
+    """Parse a number strictly between ``low`` and ``high`` (``bounds`` in words); else ConfigError."""
+    number = _parse_float(value)
+    if number is None or not (low < number < high):
+        raise ConfigError(f"{field} must be a number {bounds}, got {value!r}; e.g. {field}={example}")
+    return number
+
+
+def positive_int(value: Any, field: str, example: str) -> int:
+    """Parse a positive integer (``"3"`` and ``3.0`` are accepted, ``2.5`` is not); else ConfigError."""
+    number = _parse_float(value)
+    if number is None or not number.is_integer() or number < 1:
+        raise ConfigError(f"{field} must be a positive integer, got {value!r}; e.g. {field}={example}")
+    return int(number)
+
+
+def optional_bound(value: Any, field: str, example: str, allow_zero: bool) -> float | None:
+    """Parse an optional scale bound: ``None`` means unbounded; otherwise a finite number > 0 (or >= 0)."""
+    if value is None:
+        return None
+    number = _parse_float(value)
+    low_ok = number is not None and (number >= 0.0 if allow_zero else number > 0.0)
+    if number is None or not math.isfinite(number) or not low_ok:
+        kind = "a number >= 0" if allow_zero else "a positive number"
+        raise ConfigError(f"{field} must be {kind} or null, got {value!r}; e.g. {field}={example}")
+    return number
+
+
+def _parse_float(value: Any) -> float | None:
+    """``float(value)`` for numbers and numeric strings; ``None`` for anything else (booleans included)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float, str)):
+        try:
+            return float(value)
+        except (ValueError, OverflowError):
+            return None
+    return None
