@@ -1,4 +1,4 @@
-"""The numerical core of adaptive loss scaling (Zhao et al., section 3): Algorithms 3, 4 and 5 as autograd ops.
+"""The numerical core of adaptive loss scaling (Zhao et al., section 3): Algorithms 3, 4, 5 as autograd ops.
 
 Backpropagation carries the pair ``<alpha, delta>``: ``delta`` is the gradient already multiplied by the
 accumulated scale ``alpha`` (Algorithm 3). Autograd only passes gradients, so the alphas travel beside them in
