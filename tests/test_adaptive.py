@@ -1,0 +1,420 @@
+"""The adaptive loss scaler: Algorithms 4 and 5, exactness on every model, numerical effect, no host syncs."""
+
+import copy
+import math
+
+import pytest
+import torch
+import torchvision
+from omegaconf import OmegaConf
+from torch import nn
+
+from adaloss.adaptive import AdaptiveTransformError, branch_loss_scale, gemm_loss_scale
+from adaloss.errors import ConfigError
+from adaloss.models import build_model
+from adaloss.numerics import get_format
+from adaloss.precision import Precision
+from adaloss.scalers import build_scaler
+from adaloss.scalers.adaptive import AdaptiveLossScaler
+from adaloss.telemetry import UnderflowMonitor
+
+FP16 = get_format("fp16")
+
+
+# ----------------------------------------------------------------------------------------- Algorithm 4
+
+
+def test_gemm_loss_scale_follows_algorithm_4():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 32, generator=g) * 0.05 + 0.01
+    delta = torch.randn(16, 64, generator=g) * 1e-6
+    beta = gemm_loss_scale(w, delta, FP16.u_min, FP16.u_max, 1e-3)
+    # by hand, with the paper's formula (variance + squared mean), in float64
+    w64, d64 = w.double(), delta.double()
+    var_w, mu_w = w64.var(unbiased=False), w64.mean()
+    var_g, mu_g = d64.var(unbiased=False), d64.mean()
+    sigma_p = math.sqrt((var_w + mu_w**2) * (var_g + mu_g**2))
+    erfinv = torch.erfinv(torch.tensor(1e-3, dtype=torch.float64)).item()
+    lower = 2.0**-24 / (sigma_p * math.sqrt(2) * erfinv)
+    expected = 2.0 ** math.floor(math.log2(lower))
+    assert beta.item() == expected
+    assert expected > 1
+
+
+def test_gemm_loss_scale_bounds_and_floors():
+    w = torch.full((8, 8), 0.5)
+    # The overflow bound u_max / (max|W| max|delta|) replaces the underflow bound when smaller. With FP16's
+    # u_min that needs astronomically large tensors (the second moment is at least max^2 / N), so use a
+    # format-free u_min of 1000: lower = 1000 / (50 * sqrt(2) * erfinv(1e-3)) ~ 15958 > upper = 1310.
+    delta = torch.full((4, 8), 100.0)
+    beta = gemm_loss_scale(w, delta, 1000.0, FP16.u_max, 1e-3)
+    assert beta.item() == 2.0 ** math.floor(math.log2(FP16.u_max / (0.5 * 100.0)))  # 1024
+    # large gradients: the raw scale is below 1; clamped to 1 unless allowed
+    big = torch.randn(4, 8) * 100
+    assert gemm_loss_scale(w, big, FP16.u_min, FP16.u_max, 1e-3).item() == 1.0
+    below = gemm_loss_scale(w, big, FP16.u_min, FP16.u_max, 1e-3, allow_below_one=True).item()
+    assert below < 1 and math.log2(below) == int(math.log2(below))
+    # an all-zero gradient gives no statistics: scale 1
+    assert gemm_loss_scale(w, torch.zeros(4, 8), FP16.u_min, FP16.u_max, 1e-3).item() == 1.0
+    # a larger t_uf tolerates more underflow, so it never asks for a larger scale
+    tiny = torch.randn(4, 8) * 1e-7
+    assert gemm_loss_scale(w, tiny, FP16.u_min, FP16.u_max, 1e-1) <= gemm_loss_scale(
+        w, tiny, FP16.u_min, FP16.u_max, 1e-3
+    )
+
+
+# ----------------------------------------------------------------------------------------- Algorithm 5
+
+
+def test_branch_loss_scale_follows_algorithm_5():
+    u_max = FP16.u_max
+    alphas = torch.tensor([4.0, 64.0, 16.0])
+    small = torch.tensor([1.0, 1.0, 1.0])
+    assert branch_loss_scale(alphas, small, u_max).item() == 64.0  # the largest fits
+    # rescaling input 0 (alpha 4, max 2000) to 64 would give 32000 -> fits; to make 64 fail use 5000
+    assert branch_loss_scale(alphas, torch.tensor([5000.0, 1.0, 1.0]), u_max).item() == 16.0
+    assert branch_loss_scale(alphas, torch.tensor([20000.0, 1.0, 1.0]), u_max).item() == 4.0
+    # input 1 (alpha 64) already near u_max: only candidates at or below... none keeps it finite
+    assert branch_loss_scale(alphas, torch.tensor([1.0, math.inf, 1.0]), u_max).item() == 4.0
+
+
+# ----------------------------------------------------------------------------------------- exactness
+
+
+def _cifar(name):
+    return build_model(OmegaConf.create({"name": name, "depth": int(name[6:])}), 10)
+
+
+def _mlp_shared():
+    return build_model(
+        OmegaConf.create({"name": "mlp", "hidden": [32, 32], "shared_hidden": True}), 10, (3, 4, 4)
+    )
+
+
+def _vgg():
+    return build_model(OmegaConf.create({"name": "vgg_nobn", "widths": [8, "M", 16, "M", 32, "M"]}), 10)
+
+
+def _shrunk_bn(model):
+    """Scale batch-norm weights by 1/4: the gradient then shrinks at every block, as it does in deep nets.
+
+    At torchvision's initialization (gamma = 1) the gradient magnitude barely changes between layers, so every
+    layer would get the same alpha; any weights must give exact gradients, and these exercise distinct alphas
+    and branch rescaling.
+    """
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.weight.mul_(0.25)
+    return model
+
+
+# model factory, input shape, loss factor making the gradients small enough for several betas > 1
+EXACTNESS_CASES = {
+    "resnet20": (lambda: _cifar("resnet20"), (2, 3, 16, 16), 1e-9),
+    "resnet56": (lambda: _cifar("resnet56"), (2, 3, 16, 16), 1e-9),
+    "resnet110": (lambda: _cifar("resnet110"), (2, 3, 8, 8), 1e-9),
+    "torchvision_resnet18": (
+        lambda: _shrunk_bn(torchvision.models.resnet18(num_classes=10)),
+        (2, 3, 32, 32),
+        1e-9,
+    ),
+    "torchvision_resnet50": (
+        lambda: _shrunk_bn(torchvision.models.resnet50(num_classes=10)),
+        (2, 3, 32, 32),
+        1e-9,
+    ),
+    "mlp_called_twice": (_mlp_shared, (4, 3, 4, 4), 1e-9),
+    "vgg_nobn": (_vgg, (2, 3, 16, 16), 1e-9),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EXACTNESS_CASES))
+def test_unscaled_gradients_equal_plain_backprop_in_float64(case):
+    factory, shape, loss_factor = EXACTNESS_CASES[case]
+    torch.manual_seed(0)
+    reference = factory().double()
+    model = copy.deepcopy(reference)
+    x = torch.randn(*shape, dtype=torch.float64)
+    y = torch.randint(0, 10, (shape[0],))
+
+    (nn.functional.cross_entropy(reference(x), y) * loss_factor).backward()
+
+    scaler = AdaptiveLossScaler(update_every=1)
+    attached = scaler.attach(model)
+    assert {id(p) for p in attached.parameters()} == {id(p) for p in model.parameters()}
+    loss = nn.functional.cross_entropy(attached(x), y) * loss_factor
+    scaler.scale(loss).backward()
+    optimizer = torch.optim.SGD(attached.parameters(), lr=0.1)
+    scaler.unscale_(optimizer)
+
+    names = dict(attached.named_parameters())
+    for name, ref in reference.named_parameters():
+        got = names[name].grad
+        denom = ref.grad.abs().max()
+        assert denom > 0, name
+        assert ((got - ref.grad).abs().max() / denom).item() <= 1e-10, name
+
+    alphas = scaler.layer_scales()
+    above_one = {a for a in alphas.values() if a > 1}
+    assert len(above_one) >= 2, f"expected several distinct alphas above 1, got {alphas}"
+    if "resnet" in case:
+        rescaled = scaler.branch_rescaled()
+        assert any(rescaled.values()), "branch rescaling should have taken place"
+    if case == "mlp_called_twice":
+        assert "shared" in alphas and "shared#1" in alphas
+
+
+def test_module_called_twice_has_two_scaling_points():
+    scaler = AdaptiveLossScaler()
+    attached = scaler.attach(_mlp_shared())
+    names = [p.name for p in scaler.state.gemms]
+    assert names.count("shared") == 1 and "shared#1" in names
+    assert sorted(attached.state_dict()) == sorted(_mlp_shared().state_dict())
+
+
+def test_untraceable_model_gets_a_clear_error():
+    class DataDependent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 2)
+
+        def forward(self, x):
+            if x.sum() > 0:  # control flow on a tensor value
+                return self.fc(x)
+            return -self.fc(x)
+
+    with pytest.raises(AdaptiveTransformError, match="torch.fx could not trace it") as info:
+        AdaptiveLossScaler().attach(DataDependent())
+    assert "DataDependent" in str(info.value) and "control flow" in str(info.value)
+    assert isinstance(info.value, ConfigError)
+
+
+def test_invalid_options_are_config_errors():
+    for kwargs, match in [
+        ({"t_uf": 0}, "strictly between 0 and 1"),
+        ({"t_uf": 1.5}, "strictly between 0 and 1"),
+        ({"t_uf": "abc"}, "must be a number"),
+        ({"update_every": 0}, "positive integer"),
+        ({"init_scale": -1}, "positive number"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            AdaptiveLossScaler(**kwargs)
+    with pytest.raises(ConfigError, match="has no field"):
+        build_scaler(OmegaConf.create({"name": "adaptive", "tuf": 1e-3}), None)
+
+
+# ----------------------------------------------------------------------------------------- training behaviour
+
+
+def _train_steps(scaler, model, steps, inject_inf_at=(), seed=0, precision=None, batches=None):
+    torch.manual_seed(seed)
+    model = scaler.attach(model)
+    if precision is not None:
+        model = precision.prepare(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(seed)
+    history = []
+    for step in range(steps):
+        x = torch.randn(8, 3, 16, 16, generator=g)
+        y = torch.randint(0, 10, (8,), generator=g)
+        ctx = (
+            precision.autocast()
+            if precision is not None
+            else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+        )
+        with ctx:
+            loss = nn.functional.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        if step in inject_inf_at:
+            next(model.parameters()).grad.view(-1)[0] = float("inf")
+        before = [p.detach().clone() for p in model.parameters()]
+        scaler.step(opt)
+        history.append((scaler.last_step_skipped, before))
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+    return model, opt, history
+
+
+def test_overflow_skips_step_and_recomputes_scales():
+    scaler = AdaptiveLossScaler(update_every=100)
+    model, opt, history = _train_steps(scaler, _cifar("resnet20"), 6, inject_inf_at=(2, 3, 4))
+    params = list(model.parameters())
+    skipped = [s for s, _ in history]
+    assert skipped == [False, False, True, True, True, False]
+    assert scaler.skipped_steps == 3 and scaler.overflow_count == 3
+    # skipped steps leave the weights untouched (compare weights before step 3 and before step 4)
+    for a, b in zip(history[3][1], history[4][1], strict=True):
+        assert torch.equal(a, b)
+    assert not torch.equal(history[5][1][0], params[0].detach())  # the clean step after them updated
+    # two consecutive overflows halve alpha_{N+1} (1 -> 0.5 -> 0.25)
+    assert scaler.get_scale() == 0.25
+
+
+def test_update_every_reuses_betas_between_updates(monkeypatch):
+    from adaloss.adaptive import ops
+
+    calls = []
+    original = ops.gemm_loss_scale
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "gemm_loss_scale", counting)
+    scaler = AdaptiveLossScaler(update_every=3)
+    _train_steps(scaler, _cifar("resnet20"), 7)
+    n_layers = len(scaler.state.gemms)
+    assert len(calls) == 3 * n_layers  # steps 0, 3 and 6 recompute
+
+
+def test_no_host_sync_in_the_backward_pass(monkeypatch):
+    """Nothing in the backward pass calls .item(), .cpu() or .tolist(), on update and reuse steps alike."""
+    for update_every in (1, 2):
+        scaler = AdaptiveLossScaler(update_every=update_every)
+        precision = Precision("fp16", "cpu")
+        model = precision.prepare(scaler.attach(_cifar("resnet20")))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        for step in range(3):
+            x, y = torch.randn(2, 3, 8, 8), torch.randint(0, 10, (2,))
+            with precision.autocast():
+                loss = nn.functional.cross_entropy(model(x), y)
+            scaled = scaler.scale(loss)
+
+            def forbidden(*args, **kwargs):
+                raise AssertionError("host-device sync in the backward pass")
+
+            with monkeypatch.context() as m:
+                for method in ("item", "cpu", "tolist"):
+                    m.setattr(torch.Tensor, method, forbidden)
+                scaled.backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+
+
+def test_resume_continues_with_identical_scales_and_weights():
+    """Train 6 steps, or 3 + checkpoint + 3 in a fresh scaler/model: bitwise identical results."""
+
+    def batches(seed):
+        g = torch.Generator().manual_seed(seed)
+        return [
+            (torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 10, (4,), generator=g)) for _ in range(6)
+        ]
+
+    data = batches(1)
+    precision = Precision("fp16", "cpu")
+
+    def run(model, scaler, opt, steps):
+        for x, y in steps:
+            with precision.autocast():
+                loss = nn.functional.cross_entropy(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+
+    torch.manual_seed(0)
+    base = _cifar("resnet20")
+    scaler_a = AdaptiveLossScaler(update_every=4)
+    model_a = precision.prepare(scaler_a.attach(copy.deepcopy(base)))
+    opt_a = torch.optim.SGD(model_a.parameters(), lr=0.05, momentum=0.9)
+    run(model_a, scaler_a, opt_a, data)
+
+    scaler_b = AdaptiveLossScaler(update_every=4)
+    model_b = precision.prepare(scaler_b.attach(copy.deepcopy(base)))
+    opt_b = torch.optim.SGD(model_b.parameters(), lr=0.05, momentum=0.9)
+    run(model_b, scaler_b, opt_b, data[:3])
+    checkpoint = {"model": model_b.state_dict(), "opt": opt_b.state_dict(), "scaler": scaler_b.state_dict()}
+    buffer = __import__("io").BytesIO()
+    torch.save(checkpoint, buffer)
+    buffer.seek(0)
+    checkpoint = torch.load(buffer, weights_only=True)
+
+    scaler_c = AdaptiveLossScaler(update_every=4)
+    model_c = precision.prepare(scaler_c.attach(_cifar("resnet20")))
+    model_c.load_state_dict(checkpoint["model"])
+    opt_c = torch.optim.SGD(model_c.parameters(), lr=0.05, momentum=0.9)
+    opt_c.load_state_dict(checkpoint["opt"])
+    scaler_c.load_state_dict(checkpoint["scaler"])
+    run(model_c, scaler_c, opt_c, data[3:])
+
+    for (name, a), c in zip(model_a.named_parameters(), model_c.parameters(), strict=True):
+        assert torch.equal(a, c), name
+    assert scaler_a.layer_betas() == scaler_c.layer_betas()
+    assert scaler_a.layer_scales() == scaler_c.layer_scales()
+
+
+def test_resume_into_a_different_model_is_refused():
+    scaler = AdaptiveLossScaler(update_every=1)
+    _train_steps(scaler, _cifar("resnet20"), 1)
+    other = AdaptiveLossScaler(update_every=1)
+    model = other.attach(_cifar("resnet56"))
+    other.load_state_dict(scaler.state_dict())
+    with pytest.raises(ConfigError, match="different model"):
+        other.scale(nn.functional.cross_entropy(model(torch.randn(2, 3, 8, 8)), torch.tensor([0, 1])))
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16", "fp8_e5m2"])
+def test_emulated_training_step_in_every_format(name):
+    precision = Precision(name, "cpu")
+    scaler = build_scaler(OmegaConf.create({"name": "adaptive", "update_every": 1}), precision.grad_format)
+    assert scaler.u_min == precision.grad_format.u_min and scaler.u_max == precision.grad_format.u_max
+    model, _, history = _train_steps(scaler, _cifar("resnet20"), 2, precision=precision)
+    assert not any(s for s, _ in history)
+    for p in model.parameters():
+        assert torch.isfinite(p).all()
+    assert all(a >= 1 for a in scaler.layer_scales().values())
+
+
+# ----------------------------------------------------------------------------------------- numerical effect
+
+
+def _underflow(model_factory, scaler_cfg, loss_factor, x, y):
+    torch.manual_seed(0)
+    model = model_factory()
+    precision = Precision("fp16", "cpu")
+    scaler = build_scaler(OmegaConf.create(scaler_cfg), precision.grad_format)
+    model = precision.prepare(scaler.attach(model))
+    monitor = UnderflowMonitor(every=1, fmt=precision.telemetry_format)
+    with precision.autocast(monitor=monitor):
+        loss = nn.functional.cross_entropy(model(x), y) * loss_factor
+    scaler.scale(loss).backward()
+    return monitor.underflow_rates()
+
+
+@pytest.mark.parametrize(
+    "factory",
+    [
+        lambda: _cifar("resnet110"),
+        lambda: build_model(
+            OmegaConf.create({"name": "vgg_nobn", "widths": [32, "M", 64, "M", 128, 128, "M"]}), 10
+        ),
+    ],
+    ids=["resnet110", "vgg_nobn"],
+)
+def test_adaptive_underflow_is_far_below_none_and_beats_fixed_when_gradients_are_small(factory):
+    """Emulated FP16, per-layer activation-gradient underflow for none / fixed 128 / adaptive.
+
+    At initialization the gradients are large: Algorithm 4 finds little or no scaling necessary, so adaptive
+    is never worse than no scaling but fixed 128 (a larger scale than adaptive picks there, as the paper's
+    Fig. 4a shows for ResNet-18) has less underflow. With gradients 2**-10 smaller (as late in training, when the loss is small)
+    a fixed scale of 128 no longer suffices while adaptive scaling adapts: it is then at or below fixed 128 on
+    most layers and far below no scaling.
+    """
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 10, (4,), generator=g)
+    for loss_factor in (1.0, 2.0**-10):
+        none = _underflow(factory, {"name": "none"}, loss_factor, x, y)
+        fixed = _underflow(factory, {"name": "fixed", "scale": 128}, loss_factor, x, y)
+        adaptive = _underflow(factory, {"name": "adaptive", "update_every": 1}, loss_factor, x, y)
+        layers = list(none)
+        assert set(adaptive) == set(layers)
+        mean = {
+            k: sum(v.values()) / len(v) for k, v in [("none", none), ("fixed", fixed), ("adaptive", adaptive)]
+        }
+        assert all(adaptive[n] <= none[n] for n in layers), (loss_factor, mean)
+        if loss_factor < 1:
+            at_or_below = sum(adaptive[n] <= fixed[n] for n in layers)
+            assert at_or_below >= 0.6 * len(layers), (at_or_below, len(layers))
+            assert mean["adaptive"] <= mean["none"] / 20, mean
