@@ -275,7 +275,7 @@ def test_no_host_sync_in_the_backward_pass(monkeypatch):
         precision = Precision("fp16", "cpu")
         model = precision.prepare(scaler.attach(_cifar("resnet20")))
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        for step in range(3):
+        for _ in range(3):
             x, y = torch.randn(2, 3, 8, 8), torch.randint(0, 10, (2,))
             with precision.autocast():
                 loss = nn.functional.cross_entropy(model(x), y)
@@ -398,9 +398,9 @@ def test_adaptive_underflow_is_far_below_none_and_beats_fixed_when_gradients_are
 
     At initialization the gradients are large: Algorithm 4 finds little or no scaling necessary, so adaptive
     is never worse than no scaling but fixed 128 (a larger scale than adaptive picks there, as the paper's
-    Fig. 4a shows for ResNet-18) has less underflow. With gradients 2**-10 smaller (as late in training, when the loss is small)
-    a fixed scale of 128 no longer suffices while adaptive scaling adapts: it is then at or below fixed 128 on
-    most layers and far below no scaling.
+    Fig. 4a shows for ResNet-18) has less underflow. With gradients 2**-10 smaller (as late in training, when
+    the loss is small) a fixed scale of 128 no longer suffices while adaptive scaling adapts: it is then at
+    or below fixed 128 on most layers and far below no scaling.
     """
     g = torch.Generator().manual_seed(3)
     x, y = torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 10, (4,), generator=g)
