@@ -73,15 +73,17 @@ def gemm_loss_scale(
     bound ``u_max / (max|W| * max|delta|)`` replaces it when smaller. The result is rounded down to a power of
     two, kept at 1 or above unless ``allow_below_one``, and falls back to 1 when the gradient is all zeros.
 
-    Cost: two reductions over ``delta`` (second moment, max) and two over ``weight``. No host sync.
+    Cost: two single-pass reductions over ``delta`` (second moment, max) and two over ``weight``. No host
+    sync.
     ``reduce_fn(second_moment, max_abs)`` may all-reduce the delta statistics across ranks.
     """
-    w = weight.float()
-    g = delta.float()
-    ms_w = w.square().mean()
-    ms_g = g.square().mean()
-    max_w = w.abs().amax()
-    max_g = g.abs().amax()
+    # vector_norm reduces in one pass without a temporary (square() or abs() would allocate one).
+    w = weight if weight.dtype in (torch.float32, torch.float64) else weight.float()
+    g = delta if delta.dtype in (torch.float32, torch.float64) else delta.float()
+    ms_w = torch.linalg.vector_norm(w).square() / w.numel()
+    ms_g = torch.linalg.vector_norm(g).square() / g.numel()
+    max_w = torch.linalg.vector_norm(w, ord=math.inf)
+    max_g = torch.linalg.vector_norm(g, ord=math.inf)
     if reduce_fn is not None:
         ms_g, max_g = reduce_fn(ms_g, max_g)
     sigma_p = torch.sqrt(ms_w * ms_g)
@@ -301,26 +303,31 @@ class ScaledGEMM(torch.autograd.Function):
         state.alpha[point.out_slot] = alpha_j * beta
 
         grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            # Paper: "beta is used to scale W before computing the scaled input activation gradients".
-            if beta_host == 1.0:
-                w_scaled = w
-            else:
-                w_scaled = w * beta.to(w.dtype)
-                if grad_fmt is not None:
-                    w_scaled = round_to_format(w_scaled, grad_fmt)
-            if spec["kind"] == "linear":
+        need_x = ctx.needs_input_grad[0]
+        need_w = ctx.needs_input_grad[1] or (ctx.has_bias and ctx.needs_input_grad[2])
+        # Paper: "beta is used to scale W before computing the scaled input activation gradients"; this
+        # equals Backprop(beta * delta) and touches only weight-sized data.
+        if not need_x or beta_host == 1.0:
+            w_scaled = w
+        else:
+            w_scaled = w * beta.to(w.dtype)
+            if grad_fmt is not None:
+                w_scaled = round_to_format(w_scaled, grad_fmt)
+        if spec["kind"] == "linear":
+            if need_x:
                 grad_x = delta.matmul(w_scaled)
-            else:
-                grad_x = _conv_backward(delta, x, w_scaled, spec, [True, False, False])[0]
-            grad_x = grad_x.to(ctx.x_dtype)
-        if ctx.needs_input_grad[1] or (ctx.has_bias and ctx.needs_input_grad[2]):
-            if spec["kind"] == "linear":
+            if need_w:
                 d2 = delta.reshape(-1, delta.shape[-1])
                 grad_w = d2.t().matmul(x.reshape(-1, x.shape[-1]))
                 grad_b = d2.sum(0) if ctx.has_bias else None
-            else:
-                _, grad_w, grad_b = _conv_backward(delta, x, w, spec, [False, True, ctx.has_bias])
+        else:
+            # One call for both: the weight gradient depends on delta and x only, not on the weight.
+            grad_x, grad_w, grad_b = _conv_backward(
+                delta, x, w_scaled, spec, [need_x, need_w, need_w and ctx.has_bias]
+            )
+        if need_x:
+            grad_x = grad_x.to(ctx.x_dtype)
+        if need_w:
             # The low-precision weight gradient reaches the FP32 master copy, then is unscaled there.
             if grad_fmt is not None:
                 grad_w = round_to_format(grad_w, grad_fmt)
@@ -365,7 +372,7 @@ class Rescale(torch.autograd.Function):
         alphas = [state.read_alpha(point.in_slots[i], point.name) for i in present]
         if state.recompute or state.branch_factors[k] is None:
             a = torch.stack([x.float().reshape(()) for x in alphas])
-            m = torch.stack([grads[i].abs().amax().float() for i in present])
+            m = torch.stack([torch.linalg.vector_norm(grads[i], ord=math.inf).float() for i in present])
             if state.reduce_fn is not None:
                 m = state.reduce_fn(None, m)[1]
             common = branch_loss_scale(a, m, state.u_max)

@@ -1,0 +1,621 @@
+"""Step-time ratios of the training configurations, measured interleaved in one process (``make bench``).
+
+What it answers: how much does emulated FP16 cost over FP32, each loss scaler over no scaling, underflow
+telemetry over none, and the adaptive scaler over the dynamic one (at ``update_every`` 1 and 100, the
+paper's 27% and 0.27%), for the CIFAR ResNets 20/56/110 on synthetic 32x32 inputs.
+
+Why ratios, and why interleaved: the lab machines are shared (other test suites compete for the 2 cores),
+so an absolute step time says more about the neighbours than about the code, and two numbers taken minutes
+apart are not comparable. Every configuration of one model is therefore built in this process and they take
+turns step by step: a *round* is a few cycles in which every configuration runs one step (A, B, C, ...,
+then C, B, A, ...: the order alternates so no configuration always goes first), plus one cycle of the
+extra step kinds; each ratio is formed from the round's mean step times, and the table reports the median
+of the per-round ratios with its interquartile range. A load change mid-run then
+moves numerator and denominator together. An A/A row (two identical FP16 configurations) shows the noise
+floor of a ratio between two configurations: a target tighter than that spread is not resolved by one run,
+and the table prints the measurement as it is rather than rounding it to fit. (The amortized telemetry row
+is far less noisy: both its step kinds run on one configuration and the telemetry step weighs 1%.)
+
+A *step* is forward + loss + scaled backward + ``scaler.step`` + ``scaler.update`` + ``zero_grad``, timed
+with ``time.perf_counter`` (the CPU runs synchronously) after warm-up steps. Amortized ratios combine two
+step kinds measured in the same round: telemetry at ``every=100`` is ``(t_tel + 99 t) / (100 t)`` and
+adaptive at ``update_every=100`` is ``(t_recompute + 99 t_reuse) / (100 t_dynamic)``; the recompute step is
+requested through the scaler's own "recompute on the next step" flag (the one an overflow sets), and each
+adaptive step's actual kind is read back from ``scaler.state.recompute``, so a natural recompute step is
+never counted as a reuse step.
+
+Threads: one by default (``--threads 0`` keeps torch's default, ``--threads 2`` uses both cores). On a
+shared 2-core machine a 2-thread OpenMP region stalls whenever either thread is preempted: measured here at
+load 5, ResNet-20 FP16 steps took 0.5-4 s with 2 threads against 0.33-0.35 s with 1, and the per-round
+ratios spread from 1.02x to 2.95x (dynamic / none). One thread keeps the ratios reproducible. Its ratios are
+somewhat *lower* than a 2-thread run on an idle machine would give: the emulation's per-op Python overhead
+is fixed while the arithmetic it is compared with runs on one core instead of two. The header names the
+thread count so a reader knows which one was measured.
+
+Cost: the default run keeps to ``--budget`` seconds (840 s), shared among the models; deeper models get
+fewer rounds and fewer steps per round. ``--quick`` is a seconds-long smoke run. Raw per-step timings (with
+their kinds and cycles) and every ratio go to ``--out`` (``results/bench/bench.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+import _common as C  # noqa: E402  (needs the path above)
+
+DEFAULT_MODELS = ("resnet20", "resnet56", "resnet110")
+#: Per model: rounds, timed plain steps (cycles) per configuration per round, warm-up steps, budget share.
+PLAN = {
+    "resnet20": {"rounds": 25, "steps": 3, "warmup": 3, "weight": 0.25},
+    "resnet56": {"rounds": 12, "steps": 2, "warmup": 2, "weight": 0.30},
+    "resnet110": {"rounds": 8, "steps": 2, "warmup": 2, "weight": 0.45},
+}
+MIN_ROUNDS = 3  # the budget never cuts a model below this many rounds
+LR, MOMENTUM = 0.01, 0.9
+N_BATCHES = 4  # synthetic batches cycled through, the same sequence for every configuration
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One configuration: precision, scaler config, and which extra step kind its block ends with."""
+
+    key: str
+    precision: str
+    scaler: dict[str, Any]
+    extra: str | None = None  # "telemetry" | "recompute" | None
+
+
+SPECS: tuple[Spec, ...] = (
+    Spec("fp32_none", "fp32", {"name": "none"}),
+    Spec("fp16_none", "fp16", {"name": "none"}, extra="telemetry"),
+    Spec("fp16_none_b", "fp16", {"name": "none"}),  # A/A control: the same configuration twice
+    Spec("fp16_fixed", "fp16", {"name": "fixed", "scale": 128}),
+    Spec("fp16_dynamic", "fp16", {"name": "dynamic"}),
+    Spec("fp16_adaptive_u1", "fp16", {"name": "adaptive", "update_every": 1}),
+    Spec("fp16_adaptive_u100", "fp16", {"name": "adaptive", "update_every": 100}, extra="recompute"),
+)
+
+
+@dataclass(frozen=True)
+class RatioDef:
+    """A ratio formed inside each round from the per-round mean step times ``t(config, kind)``."""
+
+    key: str
+    label: str
+    target: float | None  # None: informational, no PASS/over-target verdict
+    fn: Callable[[Callable[[str, str], float]], float]
+    paper: str = ""
+
+
+RATIOS: tuple[RatioDef, ...] = (
+    RatioDef(
+        "fp16_over_fp32",
+        "emulated FP16 / FP32 (scaler none)",
+        1.15,
+        lambda t: t("fp16_none", "plain") / t("fp32_none", "plain"),
+    ),
+    RatioDef(
+        "fixed_over_none",
+        "fixed 128 / none (FP16)",
+        1.02,
+        lambda t: t("fp16_fixed", "plain") / t("fp16_none", "plain"),
+    ),
+    RatioDef(
+        "dynamic_over_none",
+        "dynamic / none (FP16)",
+        1.02,
+        lambda t: t("fp16_dynamic", "plain") / t("fp16_none", "plain"),
+    ),
+    RatioDef(
+        "telemetry100_over_none",
+        "telemetry every=100 / none, amortized (FP16)",
+        1.01,
+        lambda t: (
+            (t("fp16_none", "telemetry") + 99 * t("fp16_none", "plain")) / (100 * t("fp16_none", "plain"))
+        ),
+    ),
+    RatioDef(
+        "adaptive_u1_over_dynamic",
+        "adaptive update_every=1 / dynamic (FP16)",
+        1.05,
+        lambda t: t("fp16_adaptive_u1", "recompute") / t("fp16_dynamic", "plain"),
+        paper="1.27x",
+    ),
+    RatioDef(
+        "adaptive_u100_over_dynamic",
+        "adaptive update_every=100 / dynamic, amortized (FP16)",
+        1.005,
+        lambda t: (
+            (t("fp16_adaptive_u100", "recompute") + 99 * t("fp16_adaptive_u100", "reuse"))
+            / (100 * t("fp16_dynamic", "plain"))
+        ),
+        paper="1.0027x",
+    ),
+    # Informational: the noise floor and the two step kinds the amortized rows are built from.
+    RatioDef(
+        "aa_control",
+        "A/A control: FP16 none / identical FP16 none",
+        None,
+        lambda t: t("fp16_none_b", "plain") / t("fp16_none", "plain"),
+    ),
+    RatioDef(
+        "telemetry_step_over_step",
+        "one telemetry step / one plain step (FP16)",
+        None,
+        lambda t: t("fp16_none", "telemetry") / t("fp16_none", "plain"),
+    ),
+    RatioDef(
+        "adaptive_recompute_over_dynamic",
+        "adaptive recompute step / dynamic step",
+        None,
+        lambda t: t("fp16_adaptive_u100", "recompute") / t("fp16_dynamic", "plain"),
+    ),
+    RatioDef(
+        "adaptive_reuse_over_dynamic",
+        "adaptive reuse step (update_every=100) / dynamic step",
+        None,
+        lambda t: t("fp16_adaptive_u100", "reuse") / t("fp16_dynamic", "plain"),
+    ),
+)
+RATIO_KEYS = tuple(r.key for r in RATIOS)
+
+
+def request_recompute(scaler: Any) -> None:
+    """Make the adaptive scaler recompute its betas on the next step, as it does after an overflow.
+
+    Uses the scaler's ``_force_recompute`` flag (the only way to get a recompute step on demand without
+    running 100 steps per round); fails loudly if that internal ever changes, rather than silently timing
+    reuse steps as recompute steps. The step's actual kind is checked afterwards anyway.
+    """
+    if not hasattr(scaler, "_force_recompute"):
+        raise RuntimeError(
+            "AdaptiveLossScaler no longer has _force_recompute: update scripts/bench.py:request_recompute"
+        )
+    scaler._force_recompute = True
+
+
+class Runner:
+    """One configuration's model, precision, scaler, optimizer and monitor; ``step(kind)`` times a step.
+
+    The model is a deep copy of the same initial model for every configuration, so all configurations do
+    the same arithmetic; only the precision and scaler differ.
+    """
+
+    def __init__(self, spec: Spec, base_model: torch.nn.Module, batches: Sequence[tuple]) -> None:
+        from adaloss.precision import Precision
+        from adaloss.scalers import build_scaler
+        from adaloss.telemetry import UnderflowMonitor
+
+        self.spec = spec
+        self.precision = Precision(spec.precision, "cpu")
+        self.scaler = build_scaler(OmegaConf.create(spec.scaler), self.precision.grad_format)
+        model = copy.deepcopy(base_model)
+        self.model = self.precision.prepare(self.scaler.attach(model))
+        self.model.train()
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=LR, momentum=MOMENTUM)
+        self.monitor = (
+            UnderflowMonitor(every=100, fmt=self.precision.telemetry_format)
+            if spec.extra == "telemetry"
+            else None
+        )
+        self.batches = batches
+        self.n = 0
+        self.skipped_timed = 0
+
+    def step(self, kind: str = "plain") -> tuple[str, float]:
+        """Run one training step of ``kind`` (plain | telemetry | recompute); returns (actual kind, seconds).
+
+        For the adaptive scaler the actual kind is ``recompute`` or ``reuse`` as the scaler decided it.
+        """
+        x, y = self.batches[self.n % len(self.batches)]
+        self.n += 1
+        if kind == "recompute":
+            request_recompute(self.scaler)
+        monitor = self.monitor if kind == "telemetry" else None
+        t0 = time.perf_counter()
+        with self.precision.autocast(monitor=monitor):
+            loss = F.cross_entropy(self.model(x), y)
+        self.scaler.scale(loss).backward()
+        self.scaler.step(self.opt)
+        self.scaler.update()
+        self.opt.zero_grad(set_to_none=True)
+        if monitor is not None:
+            monitor.underflow_rates()
+        dt = time.perf_counter() - t0
+        actual = kind
+        state = getattr(self.scaler, "state", None)
+        if kind != "telemetry" and state is not None and hasattr(state, "recompute"):
+            actual = "recompute" if state.recompute else "reuse"
+        if self.scaler.last_step_skipped:
+            actual += "+skipped"
+        return actual, dt
+
+
+@dataclass
+class ModelResult:
+    model: str
+    rounds: list[dict[str, dict[str, list[float]]]] = field(default_factory=list)  # [round][config][kind]
+    raw: list[list[dict[str, Any]]] = field(default_factory=list)  # [round] -> step records
+    warmup_seconds: float = 0.0
+    seconds: float = 0.0
+    cut_by_budget: bool = False
+    skipped: dict[str, int] = field(default_factory=dict)  # timed steps skipped on Inf/NaN, per config
+
+
+def _round_mean(rd: dict[str, dict[str, list[float]]], config: str, kind: str) -> float:
+    xs = rd.get(config, {}).get(kind, [])
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def per_round_ratios(result: ModelResult) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {r.key: [] for r in RATIOS}
+    for rd in result.rounds:
+
+        def t(config: str, kind: str, rd=rd) -> float:
+            return _round_mean(rd, config, kind)
+
+        for r in RATIOS:
+            try:
+                out[r.key].append(float(r.fn(t)))
+            except ZeroDivisionError:
+                out[r.key].append(float("nan"))
+    return out
+
+
+def measure_model(
+    name: str,
+    batch: int,
+    rounds: int,
+    steps: int,
+    warmup: int,
+    budget_s: float,
+    seed: int,
+    log: Callable[[str], None],
+) -> ModelResult:
+    """Build every configuration of ``name`` and time them in interleaved rounds (see module docstring)."""
+    from adaloss.models import build_model
+
+    t_start = time.perf_counter()
+    torch.manual_seed(seed)
+    base = build_model(C.model_cfg(name), 10)
+    gen = torch.Generator().manual_seed(seed)
+    batches = [
+        (torch.randn(batch, 3, 32, 32, generator=gen), torch.randint(0, 10, (batch,), generator=gen))
+        for _ in range(N_BATCHES)
+    ]
+    runners = [Runner(spec, base, batches) for spec in SPECS]
+    result = ModelResult(name)
+    for runner in runners:  # warm-up: allocator, fx-traced graphs, the dynamic scale settling
+        for _ in range(warmup):
+            runner.step("plain")
+        if runner.spec.extra:
+            runner.step(runner.spec.extra)
+    result.warmup_seconds = time.perf_counter() - t_start
+    log(f"[bench] {name}: built and warmed up in {result.warmup_seconds:.0f}s")
+
+    gc.collect()
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # no collector pauses inside timed blocks; refcounting frees the tensors anyway
+    try:
+        for r in range(rounds):
+            elapsed = time.perf_counter() - t_start
+            if r >= MIN_ROUNDS and r > 0:
+                per_round = (elapsed - result.warmup_seconds) / r
+                if elapsed + per_round > budget_s:
+                    result.cut_by_budget = True
+                    log(f"[bench] {name}: budget of {budget_s:.0f}s reached after {r} rounds")
+                    break
+            rd: dict[str, dict[str, list[float]]] = {rn.spec.key: {} for rn in runners}
+            records: list[dict[str, Any]] = []
+            # ``steps`` cycles of one plain step per configuration, then one cycle of the extra steps; the
+            # order alternates every cycle, so neighbours in time are always different configurations.
+            for cycle in range(steps + 1):
+                order = runners if (r * (steps + 1) + cycle) % 2 == 0 else runners[::-1]
+                for runner in order:
+                    kind = "plain" if cycle < steps else runner.spec.extra
+                    if kind is None:
+                        continue
+                    actual, dt = runner.step(kind)
+                    if actual.endswith("+skipped"):
+                        runner.skipped_timed += 1
+                    rd[runner.spec.key].setdefault(actual, []).append(dt)
+                    records.append({"config": runner.spec.key, "kind": actual, "cycle": cycle, "s": dt})
+            result.rounds.append(rd)
+            result.raw.append(records)
+            gc.collect()
+            log(f"[bench] {name}: round {r + 1}/{rounds} done at {time.perf_counter() - t_start:.0f}s")
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    result.seconds = time.perf_counter() - t_start
+    result.skipped = {rn.spec.key: rn.skipped_timed for rn in runners}
+    return result
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+
+def summarize(results: Sequence[ModelResult]) -> dict[str, dict[str, Any]]:
+    """``{"<ratio>/<model>": {median, p25, p75, per_round, target, pass, ...}}``."""
+    ratios: dict[str, dict[str, Any]] = {}
+    for res in results:
+        per = per_round_ratios(res)
+        for r in RATIOS:
+            vals = per[r.key]
+            med = C.median(vals)
+            ratios[f"{r.key}/{res.model}"] = {
+                "ratio": r.key,
+                "model": res.model,
+                "label": r.label,
+                "median": med,
+                "p25": C.quantile(vals, 0.25),
+                "p75": C.quantile(vals, 0.75),
+                "rounds": len(vals),
+                "per_round": vals,
+                "target": r.target,
+                "pass": (med <= r.target) if (r.target is not None and math.isfinite(med)) else None,
+                "paper": r.paper or None,
+            }
+    return ratios
+
+
+def _fmt_x(v: float, digits: int = 3) -> str:
+    return f"{v:.{digits}f}x" if math.isfinite(v) else "n/a"
+
+
+def _verdict(entry: dict[str, Any]) -> str:
+    if entry["pass"] is None:
+        return "n/a"
+    return "PASS" if entry["pass"] else "over target"
+
+
+def _resolved(entry: dict[str, Any]) -> str:
+    """``yes`` when the target lies outside the per-round ratios' p25-p75: the verdict does not hinge on
+    noise; ``no`` when it lies inside, so another run on this machine could well flip it."""
+    lo, hi, target = entry["p25"], entry["p75"], entry["target"]
+    if target is None or not (math.isfinite(lo) and math.isfinite(hi)):
+        return "n/a"
+    return "no" if lo <= target <= hi else "yes"
+
+
+def depth_trend(ratios: dict[str, dict[str, Any]], key: str, models: Sequence[str]) -> str | None:
+    """One line saying whether ``key``'s median grows with depth across the ResNets measured."""
+    depth_models = [m for m in ("resnet20", "resnet56", "resnet110") if m in models]
+    if len(depth_models) < 2:
+        return None
+    meds = [ratios[f"{key}/{m}"]["median"] for m in depth_models]
+    chain = " -> ".join(f"{_fmt_x(v)} ({C.PRETTY[m]})" for v, m in zip(meds, depth_models, strict=True))
+    if not all(math.isfinite(v) for v in meds):
+        verdict = "undetermined"
+    elif all(b > a for a, b in zip(meds, meds[1:], strict=False)):
+        verdict = "yes, monotonically"
+    elif meds[-1] > meds[0]:
+        verdict = "overall yes, not monotonically"
+    else:
+        verdict = "no"
+    # Whether the difference is resolved: do the end points' interquartile ranges overlap?
+    first, last = ratios[f"{key}/{depth_models[0]}"], ratios[f"{key}/{depth_models[-1]}"]
+    overlap = not (first["p75"] < last["p25"] or last["p75"] < first["p25"])
+    note = " (the shallowest and deepest IQRs overlap: within noise)" if overlap else ""
+    return f"{chain}: grows with depth: {verdict}{note}"
+
+
+def render(
+    info: dict[str, Any], settings: dict[str, Any], results: Sequence[ModelResult], ratios: dict[str, Any]
+) -> str:
+    models = [r.model for r in results]
+    lines = [
+        f"### Step-time ratios (batch {settings['batch']}, synthetic 32x32 inputs, CPU, emulated FP16)",
+        "",
+        C.header_line(info),
+        "",
+        "Each ratio is the median over interleaved rounds of the per-round ratio of mean step times, all "
+        "configurations in one process (p25-p75 of the per-round ratios beside it; Resolved: no when the "
+        "target lies inside that range). A step is forward + loss + scaled backward + scaler.step + update "
+        "+ zero_grad; SGD lr 0.01 momentum 0.9.",
+        "",
+    ]
+    rows = []
+    for r in RATIOS:
+        if r.target is None:
+            continue
+        for m in models:
+            e = ratios[f"{r.key}/{m}"]
+            rows.append(
+                [
+                    r.label,
+                    C.PRETTY.get(m, m),
+                    _fmt_x(e["median"]),
+                    f"{e['p25']:.3f}-{e['p75']:.3f}",
+                    f"<= {r.target:g}x",
+                    _verdict(e),
+                    _resolved(e),
+                    r.paper or "",
+                    e["rounds"],
+                ]
+            )
+    lines.append(
+        C.markdown_table(
+            ["Ratio", "Model", "Median", "p25-p75", "Target", "Result", "Resolved", "Paper", "Rounds"],
+            rows,
+            left=2,
+        )
+    )
+    lines += ["", "Context (no target): the noise floor and the step kinds behind the amortized rows.", ""]
+    rows = []
+    for r in RATIOS:
+        if r.target is not None:
+            continue
+        for m in models:
+            e = ratios[f"{r.key}/{m}"]
+            rows.append([r.label, C.PRETTY.get(m, m), _fmt_x(e["median"]), f"{e['p25']:.3f}-{e['p75']:.3f}"])
+    lines.append(C.markdown_table(["Ratio", "Model", "Median", "p25-p75"], rows, left=2))
+    trends = [
+        (key, depth_trend(ratios, key, models))
+        for key in ("adaptive_u1_over_dynamic", "adaptive_u100_over_dynamic")
+    ]
+    trends = [(k, t) for k, t in trends if t]
+    if trends:
+        lines.append("")
+        for key, text in trends:
+            lines.append(f"- {key}: {text}")
+
+    lines += ["", "Median step time in seconds in this run (for scale only; compare ratios, not these):", ""]
+    cols = [(s.key, "plain") for s in SPECS] + [
+        ("fp16_none", "telemetry"),
+        ("fp16_adaptive_u1", "recompute"),
+        ("fp16_adaptive_u100", "recompute"),
+        ("fp16_adaptive_u100", "reuse"),
+    ]
+    cols = [c for c in cols if not (c[0].startswith("fp16_adaptive") and c[1] == "plain")]
+    rows = []
+    for res in results:
+        row: list[Any] = [C.PRETTY.get(res.model, res.model)]
+        for config, kind in cols:
+            xs = [t for rd in res.rounds for t in rd.get(config, {}).get(kind, [])]
+            row.append(f"{C.median(xs):.3f}" if xs else "n/a")
+        rows.append(row)
+    lines.append(C.markdown_table(["Model", *(f"{c} {k}" for c, k in cols)], rows))
+    notes = []
+    for res in results:
+        skipped = {k: v for k, v in res.skipped.items() if v}
+        if skipped:
+            notes.append(f"{res.model}: timed steps skipped on Inf/NaN gradients: {skipped}")
+        if res.cut_by_budget:
+            notes.append(f"{res.model}: stopped after {len(res.rounds)} rounds by the time budget")
+    if notes:
+        lines += [""] + [f"- note: {n}" for n in notes]
+    total = sum(r.seconds for r in results)
+    lines += ["", f"Total measurement time {total:.0f}s."]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
+    p.add_argument("--models", nargs="+", default=None, help="resnet20 resnet56 resnet110 (space or comma)")
+    p.add_argument("--batch", type=int, default=None, help="batch size (default 32; --quick: 8)")
+    p.add_argument("--rounds", type=int, default=None, help="rounds per model (default: 25/12/8 by depth)")
+    p.add_argument("--steps", type=int, default=None, help="timed plain steps per configuration per round")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps per configuration")
+    p.add_argument("--budget", type=float, default=840.0, help="seconds for the whole run (default 840)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch.set_num_threads; 0 keeps torch's default (default 1: see the module docstring)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="seconds-long smoke run: resnet20, batch 8, 2 rounds")
+    p.add_argument("--out", default=str(C.ROOT / "results" / "bench" / "bench.json"))
+    args = p.parse_args(argv)
+    args.argv = list(argv) if argv is not None else sys.argv[1:]
+    models = args.models or (["resnet20"] if args.quick else list(DEFAULT_MODELS))
+    args.models = [m for item in models for m in item.split(",") if m]
+    for m in args.models:
+        if m not in PLAN:
+            p.error(f"unknown model '{m}': choose from {', '.join(PLAN)}")
+    if args.batch is None:
+        args.batch = 8 if args.quick else 32
+    for name in ("batch", "rounds", "steps", "warmup"):
+        v = getattr(args, name)
+        if v is not None and v < (0 if name == "warmup" else 1):
+            p.error(f"--{name} must be positive, got {v}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark, print the tables to stdout (progress to stderr), write the JSON; returns it."""
+    args = parse_args(argv)
+    if args.threads < 0:
+        raise SystemExit(f"error: --threads must be >= 0, got {args.threads}")
+    threads_before = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(threads_before)  # main() is importable: leave the caller's setting alone
+
+
+def _run(args: argparse.Namespace) -> dict[str, Any]:
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    info = C.machine_info()
+    weights = {m: PLAN[m]["weight"] for m in args.models}
+    total_w = sum(weights.values())
+    t0 = time.perf_counter()
+    results = []
+    for m in args.models:
+        plan = PLAN[m]
+        rounds = args.rounds or (2 if args.quick else plan["rounds"])
+        steps = args.steps or (1 if args.quick else plan["steps"])
+        warmup = args.warmup if args.warmup is not None else (1 if args.quick else plan["warmup"])
+        # Budget left for this model: its share of what remains, so an early overrun is absorbed later.
+        remaining = args.budget - (time.perf_counter() - t0)
+        share = remaining * weights[m] / sum(weights[x] for x in args.models[args.models.index(m) :])
+        results.append(measure_model(m, args.batch, rounds, steps, warmup, share, args.seed, log))
+    settings = {
+        "batch": args.batch,
+        "models": args.models,
+        "budget_s": args.budget,
+        "quick": args.quick,
+        "lr": LR,
+        "momentum": MOMENTUM,
+        "configs": [
+            {"key": s.key, "precision": s.precision, "scaler": s.scaler, "extra": s.extra} for s in SPECS
+        ],
+        "plan": {m: PLAN[m] for m in args.models},
+        "argv": args.argv,
+        "total_weight": total_w,
+    }
+    ratios = summarize(results)
+    text = render(info, settings, results, ratios)
+    print(text, flush=True)
+    payload = {
+        "machine": info,
+        "settings": settings,
+        "ratios": ratios,
+        "models": {
+            r.model: {
+                "rounds": len(r.rounds),
+                "cut_by_budget": r.cut_by_budget,
+                "warmup_seconds": r.warmup_seconds,
+                "seconds": r.seconds,
+                "skipped_timed_steps": r.skipped,
+                "step_times": r.rounds,
+                "raw": r.raw,
+            }
+            for r in results
+        },
+        "table_markdown": text,
+        "wall_seconds": time.perf_counter() - t0,
+    }
+    path = C.write_json(args.out, payload)
+    log(f"[bench] wrote {path} ({payload['wall_seconds']:.0f}s)")
+    return payload
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""Smoke tests of ``scripts/bench.py`` and ``scripts/underflow_table.py``, imported as modules, tiny settings.
+
+The scripts' numbers are only meaningful from the full runs; these tests check the plumbing: every ratio key
+is produced as a positive finite number, the amortization formulas are the documented ones, and the underflow
+table writes rates in [0, 1] for every layer and scaler.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+#: The ratios bench.py must report for every model, spelled out here so a renamed key fails the test.
+BENCH_RATIOS = (
+    "fp16_over_fp32",
+    "fixed_over_none",
+    "dynamic_over_none",
+    "telemetry100_over_none",
+    "adaptive_u1_over_dynamic",
+    "adaptive_u100_over_dynamic",
+    "aa_control",
+    "telemetry_step_over_step",
+    "adaptive_recompute_over_dynamic",
+    "adaptive_reuse_over_dynamic",
+)
+TARGETS = {
+    "fp16_over_fp32": 1.15,
+    "fixed_over_none": 1.02,
+    "dynamic_over_none": 1.02,
+    "telemetry100_over_none": 1.01,
+    "adaptive_u1_over_dynamic": 1.05,
+    "adaptive_u100_over_dynamic": 1.005,
+}
+
+
+def _load(name: str):
+    if str(SCRIPTS) not in sys.path:
+        sys.path.insert(0, str(SCRIPTS))
+    spec = importlib.util.spec_from_file_location(f"_adaloss_script_{name}", SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return _load("bench")
+
+
+@pytest.fixture(scope="module")
+def underflow():
+    return _load("underflow_table")
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models on a shared 2-core machine run far faster on one thread (no OpenMP barrier waits)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ---------------------------------------------------------------------------------------------- bench
+
+
+def test_bench_quick_writes_every_ratio(bench, tmp_path: Path, capsys, one_thread) -> None:
+    out = tmp_path / "bench.json"
+    bench.main(["--quick", "--models", "resnet20", "--rounds", "1", "--batch", "4", "--out", str(out)])
+    payload = json.loads(out.read_text())
+    assert set(bench.RATIO_KEYS) == set(BENCH_RATIOS)
+    for key in BENCH_RATIOS:
+        entry = payload["ratios"][f"{key}/resnet20"]
+        assert math.isfinite(entry["median"]) and entry["median"] > 0, (key, entry)
+        assert entry["rounds"] == 1 and len(entry["per_round"]) == 1
+        assert entry["target"] == TARGETS.get(key)
+        if key in TARGETS:
+            assert entry["pass"] == (entry["median"] <= TARGETS[key])
+    model = payload["models"]["resnet20"]
+    assert model["rounds"] == 1
+    kinds = {(r["config"], r["kind"]) for r in model["raw"][0]}
+    # The amortized rows need both step kinds, and every adaptive update_every=1 step is a recompute.
+    assert ("fp16_adaptive_u100", "recompute") in kinds and ("fp16_adaptive_u100", "reuse") in kinds
+    assert ("fp16_none", "telemetry") in kinds
+    assert {k for c, k in kinds if c == "fp16_adaptive_u1"} == {"recompute"}
+    printed = capsys.readouterr().out
+    assert "Machine:" in printed and "torch" in printed
+    assert "| emulated FP16 / FP32 (scaler none)" in printed
+    assert ("PASS" in printed) or ("over target" in printed)
+
+
+def test_bench_amortized_formulas(bench) -> None:
+    """Per-round ratios from made-up step times follow the documented formulas."""
+    rd = {
+        "fp32_none": {"plain": [1.0, 1.0]},
+        "fp16_none": {"plain": [1.2, 1.2], "telemetry": [3.6]},
+        "fp16_none_b": {"plain": [1.2]},
+        "fp16_fixed": {"plain": [1.26]},
+        "fp16_dynamic": {"plain": [1.2]},
+        "fp16_adaptive_u1": {"recompute": [1.5]},
+        "fp16_adaptive_u100": {"recompute": [1.5], "reuse": [1.2]},
+    }
+    res = bench.ModelResult("resnet20", rounds=[rd])
+    per = bench.per_round_ratios(res)
+    assert per["fp16_over_fp32"][0] == pytest.approx(1.2)
+    assert per["fixed_over_none"][0] == pytest.approx(1.05)
+    assert per["telemetry100_over_none"][0] == pytest.approx((3.6 + 99 * 1.2) / (100 * 1.2))  # 1.02
+    assert per["adaptive_u1_over_dynamic"][0] == pytest.approx(1.25)
+    assert per["adaptive_u100_over_dynamic"][0] == pytest.approx((1.5 + 99 * 1.2) / (100 * 1.2))  # 1.0025
+    assert per["aa_control"][0] == pytest.approx(1.0)
+    ratios = bench.summarize([res])
+    assert ratios["fixed_over_none/resnet20"]["pass"] is False
+    assert ratios["telemetry100_over_none/resnet20"]["pass"] is False
+    assert ratios["adaptive_u100_over_dynamic/resnet20"]["pass"] is True
+
+
+def test_common_helpers() -> None:
+    common = _load("_common")
+    assert common.median([3.0, 1.0, 2.0]) == 2.0
+    assert common.quantile([1.0, 2.0, 3.0, 4.0], 0.25) == pytest.approx(1.75)
+    assert math.isnan(common.median([]))
+    table = common.markdown_table(["a", "b"], [["x", 1], ["yy", 22]]).splitlines()
+    assert table[0].startswith("| a ") and table[1].startswith("|:") and len(table) == 4
+
+
+# ---------------------------------------------------------------------------------------------- underflow
+
+
+def test_underflow_quick_writes_rates(underflow, tmp_path: Path, capsys, one_thread) -> None:
+    underflow.main(
+        ["--quick", "--models", "vgg_nobn", "--batch", "4", "--train-steps", "1", "--out-dir", str(tmp_path)]
+    )
+    payload = json.loads((tmp_path / "underflow.json").read_text())
+    res = payload["results"]["vgg_nobn"]
+    assert set(res["regimes"]) == {"init_fp16", "trained_fp16", "trained_fp8"}
+    for regime, r in res["regimes"].items():
+        layers = None
+        for scaler in ("none", "fixed128", "adaptive"):
+            rates = r["scalers"][scaler]["rates"]
+            assert rates, (regime, scaler)
+            assert all(0.0 <= v <= 1.0 for v in rates.values()), (regime, scaler, rates)
+            layers = layers or list(rates)
+            assert list(rates) == layers  # same layers, same order, for every scaler
+        assert r["compare"]["layers"] == len(layers) == 6  # 5 convs + fc
+        assert all(a >= 1 for a in r["scalers"]["adaptive"]["alphas"].values())
+        with open(r["csv"], newline="") as f:
+            rows = list(csv.DictReader(f))
+        assert [row["layer"] for row in rows] == layers
+        for row in rows:
+            for scaler in ("none", "fixed128", "adaptive"):
+                assert 0.0 <= float(row[scaler]) <= 1.0
+    assert res["regimes"]["trained_fp8"]["precision"] == "fp8_e5m2"
+    printed = capsys.readouterr().out
+    assert "| VGG (no BN)" in printed and "trained_fp8" in printed
