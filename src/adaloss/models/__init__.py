@@ -14,10 +14,20 @@ from torch import nn
 from adaloss.errors import ConfigError
 from adaloss.models.cifar_resnet import CifarResNet, ShortcutA, cifar_resnet
 from adaloss.models.mlp import MLP
+from adaloss.models.ssd import DETECTION_MODEL_NAMES, SSDDetector, build_detector
 from adaloss.models.torchvision_resnet import torchvision_resnet
 from adaloss.models.vgg import VGGNoBN
 
-__all__ = ["MODEL_NAMES", "MLP", "CifarResNet", "ShortcutA", "VGGNoBN", "build_model"]
+__all__ = [
+    "DETECTION_MODEL_NAMES",
+    "MODEL_NAMES",
+    "MLP",
+    "CifarResNet",
+    "SSDDetector",
+    "ShortcutA",
+    "VGGNoBN",
+    "build_model",
+]
 
 _CIFAR_DEPTHS = {"resnet20": 20, "resnet56": 56, "resnet110": 110}
 MODEL_NAMES: tuple[str, ...] = (
@@ -72,4 +82,8 @@ def build_model(cfg: Any, num_classes: int, input_shape: tuple[int, int, int] = 
     if name == "vgg_nobn":
         widths = list(_field(cfg, "widths"))
         return VGGNoBN(widths, num_classes, in_channels=channels, image_size=min(height, width))
-    raise ConfigError(f"unknown model '{name}': choose one of {', '.join(MODEL_NAMES)}")
+    if name in DETECTION_MODEL_NAMES:  # an SSDDetector; its input size is model.image_size, not input_shape
+        return build_detector(cfg, num_classes)
+    raise ConfigError(
+        f"unknown model '{name}': choose one of {', '.join(MODEL_NAMES + DETECTION_MODEL_NAMES)}"
+    )
