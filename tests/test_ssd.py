@@ -1,0 +1,228 @@
+"""SSD300 / SSD512: configuration, forward / loss / post-processing, fx, adaptive exactness, weights."""
+
+import copy
+
+import pytest
+import torch
+import torch.fx as fx
+
+from adaloss.errors import ConfigError
+from adaloss.models import build_model
+from adaloss.models.ssd import (
+    SSD_CONFIGS,
+    VGG_LAYER_NAMES,
+    SSDBackbone,
+    SSDDetector,
+    build_detector,
+    feature_map_sizes,
+    load_backbone_weights,
+)
+from adaloss.scalers.adaptive import AdaptiveLossScaler
+
+SMALL = 128  # CPU-sized input: SSD512 maps 16, 8, 4, 2, 1, 1, 2
+
+
+@pytest.fixture(scope="module")
+def small_detector():
+    torch.manual_seed(0)
+    return build_detector({"name": "ssd512", "image_size": SMALL}, num_classes=3)
+
+
+@pytest.mark.parametrize(
+    "name, maps, boxes",
+    [
+        ("ssd300", [38, 19, 10, 5, 3, 1], 8732),
+        ("ssd512", [64, 32, 16, 8, 4, 2, 1], 24564),
+    ],
+)
+def test_native_size_feature_maps_and_default_boxes(name, maps, boxes):
+    detector = build_model({"name": name}, num_classes=20)  # the runner's entry point dispatches here
+    assert isinstance(detector, SSDDetector)
+    size = detector.image_size
+    assert feature_map_sizes(detector.net.backbone, size) == [(m, m) for m in maps]
+    assert detector.num_anchors == boxes
+    assert detector.net.backbone.adjusted_padding == {}
+    # first default box: centre at step / 2 = 4 px, side = the first scale times the image size
+    first_scale = {"ssd300": 0.1, "ssd512": 0.07}[name]
+    half = first_scale * size / 2
+    torch.testing.assert_close(detector.anchors[0], torch.tensor([4 - half, 4 - half, 4 + half, 4 + half]))
+    # the last map is 1x1, its boxes centred in the image
+    last = detector.anchors[-4:]
+    torch.testing.assert_close((last[:, :2] + last[:, 2:]) / 2, torch.full((4, 2), size / 2))
+
+
+def test_network_layout_follows_the_paper(small_detector):
+    backbone = small_detector.net.backbone
+    assert backbone.pool3.ceil_mode and not backbone.pool4.ceil_mode
+    assert (backbone.pool5.kernel_size, backbone.pool5.stride) == (3, 1)
+    assert (backbone.conv6.dilation, backbone.conv6.out_channels) == ((6, 6), 1024)
+    assert backbone.conv7.kernel_size == (1, 1)
+    assert backbone.conv12_2.kernel_size == (4, 4)
+    torch.testing.assert_close(backbone.conv4_3_norm.weight, torch.full((512,), 20.0))
+    assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in small_detector.modules())
+    assert all(not m.inplace for m in small_detector.modules() if isinstance(m, torch.nn.ReLU))
+    # SSD512 at 128: the 4x4 conv sees a 1x1 map, so its padding is raised to keep a (2x2) output
+    assert backbone.adjusted_padding == {"conv12_2": 2}
+
+
+def test_forward_loss_backward_postprocess(small_detector):
+    detector = small_detector
+    images = torch.randn(2, 3, SMALL, SMALL)
+    targets = [
+        {
+            "boxes": torch.tensor([[10.0, 12.0, 60.0, 70.0], [70.0, 20.0, 120.0, 90.0]]),
+            "labels": torch.tensor([1, 3]),
+        },
+        {"boxes": torch.zeros(0, 4), "labels": torch.zeros(0, dtype=torch.int64)},  # an image without objects
+    ]
+    cls_logits, bbox_regression = detector(images)
+    assert cls_logits.shape == (2, detector.num_anchors, 4)
+    assert bbox_regression.shape == (2, detector.num_anchors, 4)
+
+    losses = detector.loss((cls_logits, bbox_regression), targets)
+    assert torch.isfinite(losses.total) and losses.total > 0
+    torch.testing.assert_close(losses.total, losses.classification + losses.bbox_regression)
+    detector.net.zero_grad()
+    losses.total.backward()
+    assert all(p.grad is not None for p in detector.net.parameters())
+
+    detections = detector.postprocess((cls_logits, bbox_regression), image_sizes=[(256, 512), (SMALL, SMALL)])
+    assert len(detections) == 2
+    for det, (height, width) in zip(detections, [(256, 512), (SMALL, SMALL)], strict=True):
+        assert len(det["boxes"]) <= 200 and det["boxes"].shape[1:] == (4,)
+        assert (det["scores"] > 0.01).all() and set(det["labels"].tolist()) <= {1, 2, 3}
+        assert (det["boxes"][:, 0::2] >= 0).all() and (det["boxes"][:, 0::2] <= width).all()
+        assert (det["boxes"][:, 1::2] >= 0).all() and (det["boxes"][:, 1::2] <= height).all()
+
+
+def test_half_precision_outputs_are_upcast_for_the_loss(small_detector):
+    cls_logits = torch.randn(1, small_detector.num_anchors, 4).half()
+    bbox_regression = torch.randn(1, small_detector.num_anchors, 4).half()
+    target = [{"boxes": torch.tensor([[10.0, 10.0, 50.0, 50.0]]), "labels": torch.tensor([2])}]
+    losses = small_detector.loss((cls_logits, bbox_regression), target)
+    assert losses.total.dtype == torch.float32 and torch.isfinite(losses.total)
+
+
+def test_net_traces_with_fx_and_matches_eager(small_detector):
+    traced = fx.symbolic_trace(small_detector.net)
+    x = torch.randn(1, 3, SMALL, SMALL)
+    for got, expected in zip(traced(x), small_detector.net(x), strict=True):
+        torch.testing.assert_close(got, expected)
+
+
+def _one_box_per_map(detector):
+    """Ground truth equal to one default box of each feature map: every head and layer gets a gradient."""
+    sizes = feature_map_sizes(detector.net.backbone, detector.image_size)
+    per_location = [4, 6, 6, 6, 6, 4, 4]
+    start, boxes = 0, []
+    for (h, w), k in zip(sizes, per_location, strict=True):
+        boxes.append(detector.anchors[start + (h * w // 2) * k])  # may reach outside the image: fine
+        start += h * w * k
+    labels = torch.arange(len(boxes)) % 3 + 1
+    return [{"boxes": torch.stack(boxes), "labels": labels}]
+
+
+def test_adaptive_scaling_gives_plain_backprop_gradients_in_float64():
+    """The adaptive issue's exactness test on SSD: its branches (feature maps feeding a head and the next
+    layer) get rescaled, and the unscaled gradients equal plain backprop."""
+    torch.manual_seed(0)
+    reference = build_detector({"name": "ssd512", "image_size": SMALL}, num_classes=3).double()
+    detector = copy.deepcopy(reference)
+    x = torch.randn(1, 3, SMALL, SMALL, dtype=torch.float64)
+    targets = _one_box_per_map(reference)
+    loss_factor = 1e-6  # gradients small enough for several layers to get betas > 1
+
+    (reference.loss(reference.net(x), targets).total * loss_factor).backward()
+
+    scaler = AdaptiveLossScaler(update_every=1)
+    net = scaler.attach(detector.net)
+    assert {id(p) for p in net.parameters()} == {id(p) for p in detector.net.parameters()}
+    loss = detector.loss(net(x), targets).total * loss_factor
+    scaler.scale(loss).backward()
+    scaler.unscale_(torch.optim.SGD(net.parameters(), lr=0.1))
+
+    grads = dict(net.named_parameters())
+    for name, ref in reference.net.named_parameters():
+        scale = ref.grad.abs().max()
+        assert scale > 0, name
+        assert ((grads[name].grad - ref.grad).abs().max() / scale).item() <= 1e-10, name
+
+    alphas = scaler.layer_scales()
+    assert len({a for a in alphas.values() if a > 1}) >= 2, alphas
+    rescaled = scaler.branch_rescaled()
+    assert any(rescaled.values()), rescaled
+    assert "backbone_relu7" in rescaled  # conv7 feeds both heads and conv8_1
+
+
+def test_backbone_weights_round_trip(tmp_path):
+    torch.manual_seed(1)
+    source = build_detector({"name": "ssd300", "image_size": 64}, num_classes=2)
+    own = tmp_path / "backbone.pt"
+    torch.save(source.net.backbone.state_dict(), own)
+    loaded = build_detector({"name": "ssd300", "image_size": 64, "backbone_weights": str(own)}, num_classes=2)
+    for (name, a), b in zip(
+        source.net.backbone.state_dict().items(), loaded.net.backbone.state_dict().values(), strict=True
+    ):
+        assert torch.equal(a, b), name
+
+    # torchvision's VGG-16 layout (features.<i>, classifier.*): conv1_1..conv5_3 load, conv6/conv7 stay random
+    convs = [getattr(source.net.backbone, name) for name in VGG_LAYER_NAMES[:13]]  # conv1_1 .. conv5_3
+    indices = [0, 2, 5, 7, 10, 12, 14, 17, 19, 21, 24, 26, 28]
+    state = {
+        f"features.{i}.{p}": getattr(c, p).detach().clone()
+        for i, c in zip(indices, convs, strict=True)
+        for p in ("weight", "bias")
+    }
+    state["classifier.0.weight"] = torch.zeros(4, 4)
+    torchvision_file = tmp_path / "vgg16.pth"
+    torch.save(state, torchvision_file)
+    torch.manual_seed(2)
+    other = build_detector({"name": "ssd300", "image_size": 64, "backbone_weights": str(torchvision_file)}, 2)
+    assert torch.equal(other.net.backbone.conv5_3.weight, source.net.backbone.conv5_3.weight)
+    assert not torch.equal(other.net.backbone.conv6.weight, source.net.backbone.conv6.weight)
+
+
+def test_bad_backbone_weights_are_config_errors(tmp_path):
+    cfg = {"name": "ssd300", "image_size": 64}
+    with pytest.raises(ConfigError, match="no file at") as info:
+        build_detector(cfg | {"backbone_weights": str(tmp_path / "missing.pt")}, 2)
+    assert "\n" not in str(info.value) and "backbone_weights=null" in str(info.value)
+
+    backbone = SSDBackbone(SSD_CONFIGS["ssd300"], 64)
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_text("not a checkpoint")
+    unrelated = tmp_path / "unrelated.pt"
+    torch.save({"encoder.weight": torch.zeros(3)}, unrelated)
+    partial = tmp_path / "partial.pt"
+    torch.save({"conv1_1.weight": backbone.conv1_1.weight.detach()}, partial)
+    wrong_shape = tmp_path / "wrong.pt"
+    state = backbone.state_dict()
+    state["conv1_1.weight"] = torch.zeros(64, 1, 3, 3)  # a grey-scale VGG
+    torch.save(state, wrong_shape)
+    for path, match in [
+        (garbage, "cannot read"),
+        (unrelated, "keys the SSD backbone does not"),
+        (partial, "lacks 25 VGG-16 tensors"),
+        (wrong_shape, "conv1_1.weight of shape"),
+    ]:
+        with pytest.raises(ConfigError, match=match) as info:
+            load_backbone_weights(backbone, path)
+        assert str(path) in str(info.value) and "\n" not in str(info.value)
+
+
+def test_invalid_model_fields_are_config_errors():
+    with pytest.raises(ConfigError, match="image_size must be an integer >= 32"):
+        build_model({"name": "ssd512", "image_size": 16}, num_classes=3)
+    with pytest.raises(ConfigError, match="ssd512"):
+        build_model({"name": "ssd1024"}, num_classes=3)
+    with pytest.raises(ConfigError, match="at least one object class"):
+        build_detector({"name": "ssd300", "image_size": 64}, num_classes=0)
+
+
+def test_outputs_of_another_image_size_get_a_clear_error(small_detector):
+    wrong = (torch.zeros(1, 100, 4), torch.zeros(1, 100, 4))
+    target = [{"boxes": torch.tensor([[1.0, 1.0, 9.0, 9.0]]), "labels": torch.tensor([1])}]
+    with pytest.raises(ValueError, match="model.image_size"):
+        small_detector.loss(wrong, target)
+    with pytest.raises(ValueError, match="128x128"):
+        small_detector.postprocess(wrong)
