@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test test-full lint format demo bench clean
+.PHONY: help setup test test-full lint format demo bench tables figures reproduce-mini clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  %-14s %s\n", $$1, $$2}'
@@ -37,6 +37,16 @@ demo: setup ## train ResNet-20 on digits under FP32 and every FP16 scaler; print
 
 bench: setup ## step-time ratios (emulated FP16 / FP32, scalers / none, telemetry) printed as a table
 	$(PY) scripts/bench.py
+
+RUNS ?= results/sweeps
+tables: setup ## the paper's Tables 1-5 from finished runs under RUNS (default results/sweeps) -> results/tables
+	$(PY) scripts/make_tables.py $(RUNS) --out results/tables
+
+figures: setup ## Figures 1a/1b/4a/4b from finished runs under RUNS -> results/figures
+	$(PY) scripts/make_figures.py $(RUNS) --out results/figures
+
+reproduce-mini: setup ## every experiment in reduced form on bundled data, then all tables and figures (~30 min)
+	$(PY) scripts/reproduce_mini.py --out results/mini
 
 clean: ## remove the virtual environment and caches
 	rm -rf $(VENV) .pytest_cache .ruff_cache

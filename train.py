@@ -2,37 +2,290 @@
 
 A thin ``@hydra.main`` wrapper around :func:`adaloss.engine.train`: Hydra composes the config, picks the
 run folder (``results/runs/...``, or ``results/sweeps/...`` with ``-m``) and logs to it; everything else
-happens in ``train(cfg)``. Bad input (an invalid value, missing data) prints ``error: <message>`` on
-stderr and exits with status 2, without a traceback and without writing ``metrics.json``.
+happens in ``train(cfg)``.
+
+Bad input prints one line, ``error: <what is wrong>: <how to fix it>``, on stderr and exits with status 2,
+without a traceback and without writing ``metrics.json``. That covers the command line Hydra itself rejects
+(an unknown group option such as ``model=resnet21``, an unknown key, a malformed override) as well as the
+values ``train`` rejects (a ``ConfigError``: an invalid number, missing data, an impossible pairing). A run
+that fails that way before training also removes the run folder Hydra made for it, if that folder holds
+nothing but Hydra's own files (``.hydra/`` and the log). ``HYDRA_FULL_ERROR=1`` keeps Hydra's full report.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
+import re
+import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 import hydra
 from omegaconf import DictConfig
 
 ROOT = Path(__file__).resolve().parent
+CONFIG_DIR = ROOT / "configs"
 # configs/paths/default.yaml reads the repository root from here, wherever train.py is launched from.
 os.environ.setdefault("ADALOSS_ROOT", str(ROOT))
+
+#: Exit status for bad input (as argparse uses for a bad command line).
+BAD_INPUT = 2
+_FULL_ERROR = "HYDRA_FULL_ERROR"
+_capture = False  # set by cli(): Hydra's composition errors are raised to it rather than printed
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> float:
-    """Train one configuration; returns the final test accuracy (for Hydra sweepers that optimize it)."""
+    """Train one configuration; returns its test metric (accuracy or mAP, %; NaN for a run recorded as
+    diverged), for Hydra sweepers that optimize it."""
+    # Composition succeeded (a sweep composes all its jobs before it runs the first): from here on Hydra
+    # reports the job's own failures in its usual way.
+    _hydra_reports_errors(True)
     from adaloss.engine import train  # imported here so `--help` and `--cfg` stay fast
+    from adaloss.engine.faults import TrainingDiverged
     from adaloss.errors import ConfigError
 
     try:
         metrics = train(cfg)
     except ConfigError as error:
+        _remove_untouched_run_folder(cfg)
+        _fail(str(error))
+    except TrainingDiverged as error:  # not bad input: the run started; its checkpoints stay
         print(f"error: {error}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    return float(metrics["test_accuracy"])
+        sys.exit(1)
+    metric = "map" if "map" in metrics else "test_accuracy"
+    return float(metrics[metric]) if metrics[metric] is not None else float("nan")
+
+
+def cli() -> None:
+    """Run :func:`main`, turning Hydra's composition errors into one ``error:`` line and exit status 2.
+
+    Hydra composes the config inside ``@hydra.main``, before ``main`` runs, and by default prints its own
+    multi-line report of a failure. With ``HYDRA_FULL_ERROR=1`` it raises the exception instead; ``cli``
+    sets that while Hydra composes (``main`` clears it as soon as it starts), catches the exception and
+    describes it. A user who set ``HYDRA_FULL_ERROR=1`` gets Hydra's full traceback, as before.
+    """
+    global _capture
+    if os.environ.get(_FULL_ERROR) == "1":
+        main()
+        return
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    sys.argv[1:] = _flags_first(sys.argv[1:])
+    _capture = True
+    _hydra_reports_errors(False)
+    try:
+        main()
+    except (HydraException, OmegaConfBaseException) as error:
+        _fail(describe_hydra_error(error))
+    except ValueError as error:  # Hydra's check of its own flags, before it composes anything
+        if "can be specified" not in str(error):
+            raise
+        _fail(f"{error}: keep one of them")
+    finally:
+        _hydra_reports_errors(True)
+        _capture = False
+
+
+#: Hydra's flags that take no value, and those that take exactly one.
+_FLAGS = frozenset(
+    {"-m", "--multirun", "--run", "-r", "--resolve", "-h", "--help", "--hydra-help", "--version"}
+)
+_FLAGS_WITH_VALUE = frozenset({"-c", "--cfg"})
+
+
+def _flags_first(args: list[str]) -> list[str]:
+    """Move Hydra's flags before the overrides: ``a=1 -m b=1,2`` means ``-m a=1 b=1,2``.
+
+    Hydra's argparse parser takes the overrides as one run of positional arguments, so overrides on both
+    sides of a flag fail with ``unrecognized arguments``. The order of the overrides is kept.
+    """
+    flags: list[str] = []
+    rest: list[str] = []
+    i = 0
+    while i < len(args):
+        if args[i] in _FLAGS:
+            flags.append(args[i])
+        elif args[i] in _FLAGS_WITH_VALUE and i + 1 < len(args):
+            flags += args[i : i + 2]
+            i += 1
+        else:
+            rest.append(args[i])
+        i += 1
+    return flags + rest
+
+
+def _hydra_reports_errors(report: bool) -> None:
+    """``report=True``: Hydra prints its own report of a failure; ``False``: it raises it to ``cli``.
+
+    Only while ``cli`` captures errors; otherwise (``HYDRA_FULL_ERROR`` set by the user, ``main`` called
+    from elsewhere) the environment is left as it is.
+    """
+    if not _capture:
+        return
+    if report:
+        os.environ.pop(_FULL_ERROR, None)
+    else:
+        os.environ[_FULL_ERROR] = "1"
+
+
+def _fail(message: str) -> None:
+    print(f"error: {' '.join(message.split())}", file=sys.stderr, flush=True)
+    sys.exit(BAD_INPUT)
+
+
+# ------------------------------------------------------------------------------- Hydra's errors, in one line
+
+_GRAMMAR = "https://hydra.cc/docs/advanced/override_grammar/basic/"
+
+
+def describe_hydra_error(error: Exception) -> str:
+    """One line naming what Hydra rejected on the command line and how to fix it."""
+    from hydra.errors import MissingConfigException, OverrideParseException
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+
+    if isinstance(error, MissingConfigException) and error.options is not None and error.missing_cfg_file:
+        group, _, option = str(error.missing_cfg_file).rpartition("/")
+        where = f" ({CONFIG_DIR.name}/{group}/)" if (CONFIG_DIR / group).is_dir() else ""
+        choices = f"choose one of {', '.join(error.options)}{where}"
+        if not option:
+            return f"no {group} given in '{group}=': {choices}"
+        return f"unknown {group} '{option}': {choices}"
+    if isinstance(error, OverrideParseException):
+        override = str(getattr(error, "override", "") or "")
+        if override and "=" not in override and not override.startswith("~"):
+            return f"'{override}' is not an override: write {override}=<value>"
+        reason = _lines(error)[-1] if _lines(error) else "invalid syntax"
+        for line in _lines(error):
+            if not line.startswith(("See ", "Error parsing override")):
+                reason = line
+                break
+        return (
+            f"cannot parse the override '{override}': {reason}; write key=value and quote a value with "
+            f"special characters, e.g. key='a,b' (grammar: {_GRAMMAR})"
+        )
+    cause = error.__cause__
+    if isinstance(cause, ConfigAttributeError | ConfigKeyError) and getattr(cause, "full_key", None):
+        appended = re.search(r"use \+(\S+=.*)$", str(error), flags=re.MULTILINE)
+        return _unknown_key(str(cause.full_key), cause, appended.group(1) if appended else None)
+    if isinstance(error, OmegaConfBaseException):
+        key = getattr(error, "full_key", None)
+        reason = _lines(error)[0] if _lines(error) else type(error).__name__
+        return (
+            f"cannot resolve {key or 'the config'}: {reason}; check the ${{...}} references in the "
+            "overrides (python train.py <overrides> --cfg job shows the composed config)"
+        )
+    lines = [line.rstrip(".") for line in _lines(error) if not line.startswith("Config search path")]
+    return "; ".join(lines[:4]).replace("\\'", "'") or type(error).__name__
+
+
+def _lines(error: BaseException) -> list[str]:
+    return [line.strip() for line in str(error).splitlines() if line.strip()]
+
+
+def _unknown_key(full_key: str, cause: Any, override: str | None) -> str:
+    """``scaler.scale=3`` under ``scaler=none``: the options that have the key; ``trainer.batch_sise=3``:
+    the closest existing keys; else the fields the section has."""
+    parent_path, _, key = full_key.rpartition(".")
+    parent = getattr(cause, "parent_node", None)
+    fields = [str(k) for k in parent.keys() if k != "hydra"] if hasattr(parent, "keys") else []
+    message = f"unknown key '{full_key}'"
+    owners = _options_with_key(parent_path, key) if parent_path else []
+    close = difflib.get_close_matches(key, fields, n=3, cutoff=0.6)
+    if not parent_path and hasattr(parent, "keys"):  # a top-level key: maybe a field of a section
+        close += [f"{section}.{key}" for section in fields if _has_key(parent, section, key)]
+    if owners:
+        having = " and ".join(f"{parent_path}={owner}" for owner in owners)
+        return (
+            f"{message}: the chosen {parent_path} has no field '{key}', but {having} "
+            f"{'does' if len(owners) == 1 else 'do'}; select one first, e.g. {parent_path}={owners[0]} "
+            f"{override or full_key + '=...'}"
+        )
+    prefix = f"{parent_path}." if parent_path else ""
+    if close:
+        return f"{message}: did you mean {' or '.join(prefix + c for c in close)}?"
+    where = f"{parent_path} has" if parent_path else "the config has"
+    listed = f"; {where} the fields {', '.join(fields)}" if fields else ""
+    return f"{message}{listed} (a new key needs a leading +, e.g. +{override or full_key + '=...'})"
+
+
+def _has_key(root: Any, section: str, key: str) -> bool:
+    try:
+        node = root.get(section)
+        return hasattr(node, "keys") and key in node
+    except Exception:  # an unresolvable node: not a suggestion
+        return False
+
+
+def _options_with_key(group: str, key: str) -> list[str]:
+    """The options of ``configs/<group>/`` whose file sets ``key`` (scaler=fixed sets scaler.scale)."""
+    from omegaconf import OmegaConf
+
+    folder = CONFIG_DIR / group
+    if "/" in group or "." in group or not folder.is_dir():
+        return []
+    owners = []
+    for path in sorted(folder.glob("*.yaml")):
+        try:
+            loaded = OmegaConf.load(path)
+        except Exception:  # an unreadable option file is Hydra's to report, not ours
+            continue
+        if "@package _global_" in path.read_text(errors="replace").split("\n", 1)[0]:
+            loaded = loaded.get(group)
+        if hasattr(loaded, "keys") and key in loaded:
+            owners.append(path.stem)
+    return owners
+
+
+# ------------------------------------------------------------------------------------ leaving no trace
+
+
+def _remove_untouched_run_folder(cfg: DictConfig) -> None:
+    """Remove this run's folder if it holds only Hydra's files (``.hydra/*.yaml``, ``*.log``).
+
+    Called when the run failed before training: such a folder records nothing. A folder with anything else
+    in it (W&B files, a checkpoint, a file of the user's) is left alone. Then the folder Hydra made above it
+    goes too if nothing else is left in it: ``runs/<name>/`` of a single run, or the sweep folder of a
+    sweep whose first job failed (it holds only ``multirun.yaml``).
+    """
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    try:
+        hydra_cfg = HydraConfig.get()
+        run_dir = Path(hydra_cfg.runtime.output_dir)
+        sweep = hydra_cfg.mode == RunMode.MULTIRUN
+    except Exception:  # not inside a launched job (e.g. composed in a test): nothing of ours to remove
+        return
+    if not run_dir.is_dir() or run_dir.is_symlink() or not _only_hydra_files(run_dir):
+        return
+    shutil.rmtree(run_dir, ignore_errors=True)
+    parent = run_dir.parent
+    try:
+        if sweep:
+            if [p.name for p in parent.iterdir()] == ["multirun.yaml"]:
+                (parent / "multirun.yaml").unlink()
+                parent.rmdir()
+        elif parent.resolve().parent == (Path(str(cfg.paths.results_dir)) / "runs").resolve():
+            parent.rmdir()  # only if empty: another run of the same name may live there
+    except OSError:
+        pass
+
+
+def _only_hydra_files(run_dir: Path) -> bool:
+    for entry in run_dir.iterdir():
+        if entry.is_symlink():
+            return False
+        if entry.name == ".hydra" and entry.is_dir():
+            if not all(f.is_file() and not f.is_symlink() and f.suffix == ".yaml" for f in entry.iterdir()):
+                return False
+        elif not (entry.is_file() and entry.suffix == ".log"):
+            return False
+    return True
 
 
 if __name__ == "__main__":
-    main()
+    cli()

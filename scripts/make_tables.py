@@ -146,6 +146,11 @@ _IRRELEVANT = (
     "trainer.progress_bar",
     "trainer.log_every",
     "trainer.eval_batch_size",
+    "trainer.on_divergence",  # only decides whether a diverged run is recorded or raised
+    "trainer.checkpoint_every",
+    "trainer.keep_checkpoints",
+    "trainer.save_final",
+    "resume",
     "dataset.download",
 )
 #: ... and the keys that make the columns of a row (they differ between its cells by design).

@@ -165,6 +165,72 @@ def test_unscaled_gradients_equal_plain_backprop_in_float64(case):
         assert "shared" in alphas and "shared#1" in alphas
 
 
+def _assert_grads_match(reference, attached, tol=1e-10):
+    names = dict(attached.named_parameters())
+    for name, ref in reference.named_parameters():
+        got = names[name].grad
+        denom = ref.grad.abs().max()
+        assert denom > 0, name
+        assert ((got - ref.grad).abs().max() / denom).item() <= tol, name
+
+
+@pytest.mark.parametrize("case", ["resnet20", "mlp_called_twice"])
+def test_reuse_steps_with_host_copies_give_plain_backprop_gradients_in_float64(case):
+    """Steps between updates reuse the betas as host floats (no scalar device ops): still exact."""
+    factory, shape, loss_factor = EXACTNESS_CASES[case]
+    torch.manual_seed(0)
+    reference = factory().double()
+    scaler = AdaptiveLossScaler(update_every=3)
+    attached = scaler.attach(copy.deepcopy(reference))
+    opt = torch.optim.SGD(attached.parameters(), lr=0.0)  # weights stay equal to the reference's
+    g = torch.Generator().manual_seed(1)
+    for step in range(3):
+        x = torch.randn(*shape, dtype=torch.float64, generator=g)
+        y = torch.randint(0, 10, (shape[0],), generator=g)
+        reference.zero_grad()
+        (nn.functional.cross_entropy(reference(x), y) * loss_factor).backward()
+        scaled = scaler.scale(nn.functional.cross_entropy(attached(x), y) * loss_factor)
+        assert (scaler.state.recompute, scaler.state.host) == ((True, False) if step == 0 else (False, True))
+        scaled.backward()
+        scaler.unscale_(opt)
+        _assert_grads_match(reference, attached)
+        scales = scaler.layer_scales()
+        if step == 0:
+            first = scales
+        assert scales == first  # reused, and read from the host
+        assert len({a for a in scales.values() if a > 1}) >= 2, scales
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+
+
+def test_gradient_accumulation_reuses_the_first_micro_batchs_betas_exactly():
+    """Two micro-batches per iteration: the second reuses the betas the first computed, also on a recompute
+    iteration after host copies of older betas exist (they must not be used then)."""
+    factory, shape, _ = EXACTNESS_CASES["resnet20"]
+    torch.manual_seed(0)
+    reference = factory().double()
+    scaler = AdaptiveLossScaler(update_every=2)
+    attached = scaler.attach(copy.deepcopy(reference))
+    opt = torch.optim.SGD(attached.parameters(), lr=0.0)
+    g = torch.Generator().manual_seed(2)
+    betas = []
+    for loss_factor in (1e-9, 1e-9, 1e-3):  # iterations 0 (recompute), 1 (reuse), 2 (recompute, new betas)
+        reference.zero_grad()
+        for _ in range(2):
+            x = torch.randn(*shape, dtype=torch.float64, generator=g)
+            y = torch.randint(0, 10, (shape[0],), generator=g)
+            (nn.functional.cross_entropy(reference(x), y) * loss_factor).backward()
+            scaler.scale(nn.functional.cross_entropy(attached(x), y) * loss_factor).backward()
+        scaler.unscale_(opt)
+        _assert_grads_match(reference, attached)
+        betas.append(scaler.layer_betas())
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+    assert betas[0] == betas[1] and betas[2] != betas[0]
+
+
 def test_module_called_twice_has_two_scaling_points():
     scaler = AdaptiveLossScaler()
     attached = scaler.attach(_mlp_shared())

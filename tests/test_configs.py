@@ -28,9 +28,11 @@ def test_every_group_has_the_expected_options() -> None:
         "resnet20",
         "resnet50",
         "resnet56",
+        "ssd300",
+        "ssd512",
         "vgg_nobn",
     ]
-    assert _options("dataset") == ["cifar10", "cifar100", "digits", "imagenet", "synthetic"]
+    assert _options("dataset") == ["cifar10", "cifar100", "digits", "imagenet", "shapes", "synthetic", "voc"]
     assert _options("scaler") == ["adaptive", "dynamic", "fixed", "none"]
     assert _options("precision") == ["bf16", "fp16", "fp32", "fp8_e5m2"]
     assert _options("logger") == ["none", "wandb"]
@@ -39,7 +41,14 @@ def test_every_group_has_the_expected_options() -> None:
 
 @pytest.mark.parametrize(("group", "option"), ALL_OPTIONS, ids=[f"{g}={o}" for g, o in ALL_OPTIONS])
 def test_every_option_composes_and_resolves(group: str, option: str) -> None:
-    cfg = compose_train([f"{group}={option}"], return_hydra_config=(group == "hydra"))
+    # a detector needs detection data and the reverse (validate_config rejects the mixed pairs)
+    partners = {
+        "model": {"ssd300": "dataset=shapes", "ssd512": "dataset=voc"},
+        "dataset": {"shapes": "model=ssd512", "voc": "model=ssd300"},
+    }
+    partner = partners.get(group, {}).get(option)
+    overrides = [f"{group}={option}", *([partner] if partner else [])]
+    cfg = compose_train(overrides, return_hydra_config=(group == "hydra"))
     if group in ("model", "dataset", "scaler", "precision", "optimizer", "schedule"):
         assert cfg[group].name == option
     if group == "logger":
@@ -169,3 +178,11 @@ def test_invalid_values_are_config_errors(override: str, message: str) -> None:
     cfg = compose_train([override])
     with pytest.raises(ConfigError, match=message):
         validate_config(cfg)
+
+
+def test_linear_warmup_ramps_to_the_base_lr() -> None:
+    rule = MultiStepWithWarmup(1000, [0.8], 0.1, warmup_fraction=0.1, warmup_factor=0.0, warmup="linear")
+    assert rule(0) == 0.0 and rule(50) == pytest.approx(0.5) and rule(99) == pytest.approx(0.99)
+    assert rule(100) == 1.0 and rule(799) == 1.0 and rule(800) == pytest.approx(0.1)
+    with pytest.raises(ConfigError, match="schedule.warmup"):
+        MultiStepWithWarmup(1000, [0.8], 0.1, warmup="cosine")

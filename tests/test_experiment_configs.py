@@ -180,3 +180,80 @@ def test_a_variant_sets_precision_and_scaler_together(variant: str) -> None:
 def test_the_variant_group_is_complete() -> None:
     files = sorted(p.stem for p in (CONFIG_DIR / "variant").glob("*.yaml"))
     assert files == sorted(VARIANTS)
+
+
+# ---- the figure experiments (configs/experiment/fig*.yaml) -------------------------------------------------
+
+#: experiment -> (its grid, the number of runs of its main command); fig4_scales' panel (a) is another
+#: command, FIG4A.
+FIGURE_EXPERIMENTS: dict[str, tuple[dict[str, str], int]] = {
+    "fig1_ssd_stats": ({"variant": "fp32"}, 1),
+    "fig4_scales": ({"variant": "fixed128,adaptive"}, 2),
+}
+FIG4A = ("model=resnet18", "dataset=imagenet", "variant=adaptive")
+
+
+def test_every_figure_experiment_is_tested() -> None:
+    assert sorted(p.stem for p in EXPERIMENT_DIR.glob("fig*.yaml")) == sorted(FIGURE_EXPERIMENTS)
+
+
+@pytest.mark.parametrize("name", sorted(FIGURE_EXPERIMENTS))
+def test_a_figure_experiments_grid_and_header(name: str) -> None:
+    grid, runs = FIGURE_EXPERIMENTS[name]
+    path = EXPERIMENT_DIR / f"{name}.yaml"
+    assert dict(OmegaConf.load(path).hydra.sweeper.params) == grid
+    assert len(expand(grid)) == runs
+    lines = path.read_text().split("\n")
+    assert lines[0] == "# @package _global_"
+    comment = "\n".join(line for line in lines if line.startswith("#"))
+    assert f"python train.py -m experiment={name}" in comment
+    assert "python scripts/make_figures.py" in comment
+    assert "GPU-hours" in comment and "V100" in comment
+    assert re.search(rf"= {runs} runs?\b", comment), f"the header of {name}.yaml should say '= {runs} run(s)'"
+    readme = (EXPERIMENT_DIR / "README.md").read_text()
+    assert f"| `{name}`" in readme
+
+
+def test_fig1_is_fp32_ssd512_on_voc_with_the_expected_loss_scale() -> None:
+    cfg = compose_train(["experiment=fig1_ssd_stats"], return_hydra_config=True)
+    jobs = expand({str(k): str(v) for k, v in cfg.hydra.sweeper.params.items()})
+    assert jobs == [["variant=fp32"]]
+    job = compose_train(["experiment=fig1_ssd_stats", *jobs[0]])
+    _check_job(job, jobs[0])
+    assert (job.model.name, job.dataset.name) == ("ssd512", "voc")
+    assert (job.precision.name, job.scaler.name) == ("fp32", "none")
+    assert job.telemetry.expected_loss_scale is True
+    assert job.telemetry.format == "fp16" and job.telemetry.quantile == 0.01  # the paper's 2^-24 and 1%
+    assert job.telemetry.every == 1000 and job.trainer.steps // job.telemetry.every == 120
+    assert job.trainer.batch_size == 32  # the VOC recipe
+
+
+def test_fig4b_sweeps_fixed_128_and_adaptive_on_ssd512_voc() -> None:
+    cfg = compose_train(["experiment=fig4_scales"], return_hydra_config=True)
+    jobs = expand({str(k): str(v) for k, v in cfg.hydra.sweeper.params.items()})
+    assert jobs == [["variant=fixed128"], ["variant=adaptive"]]
+    names = set()
+    for job in jobs:
+        composed = compose_train(["experiment=fig4_scales", *job])
+        _check_job(composed, job)
+        assert (composed.model.name, composed.dataset.name) == ("ssd512", "voc")
+        assert composed.telemetry.every == 1000 and composed.trainer.steps == 120000
+        with open_dict(composed):
+            composed.paths.output_dir = "/tmp/run"
+        names.add(resolved_config(composed)["name"])
+    assert names == {"ssd512_voc_batch32_fp16_fixed128_seed0", "ssd512_voc_batch32_fp16_adaptive_seed0"}
+
+
+def test_fig4a_is_the_command_line_narrowing_to_adaptive_resnet18_on_imagenet() -> None:
+    cfg = compose_train(["experiment=fig4_scales", *FIG4A], return_hydra_config=True)
+    jobs = expand({str(k): str(v) for k, v in cfg.hydra.sweeper.params.items()}, FIG4A)
+    assert len(jobs) == 1
+    job = compose_train(["experiment=fig4_scales", *jobs[0]])
+    _check_job(job, jobs[0])
+    assert (job.model.name, job.dataset.name) == ("resnet18", "imagenet")
+    assert (job.precision.name, job.scaler.name, job.scaler.t_uf) == ("fp16", "adaptive", 1.0e-3)
+    # the recipe is ImageNet's (the VOC one does not leak through the experiment)
+    assert (job.trainer.batch_size, job.trainer.epochs, job.optimizer.lr) == (256, 90, 0.1)
+    assert job.telemetry.every == 1000 and job.telemetry.expected_loss_scale is False
+    header = (EXPERIMENT_DIR / "fig4_scales.yaml").read_text()
+    assert f"python train.py -m experiment=fig4_scales {' '.join(FIG4A)}" in header

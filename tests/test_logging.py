@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from omegaconf import DictConfig
 
-import adaloss.engine.trainer as trainer_module
 from adaloss.engine import train
+from adaloss.engine.tasks import ClassificationTask
 from adaloss.logging import NullLogger, WandbLogger, write_json_atomic
 from adaloss.logging.progress import format_scale
 
@@ -74,7 +74,7 @@ def test_no_metrics_json_when_the_run_raises(
     def broken_evaluate(*args: object, **kwargs: object) -> float:
         raise RuntimeError("evaluation exploded")
 
-    monkeypatch.setattr(trainer_module, "evaluate", broken_evaluate)
+    monkeypatch.setattr(ClassificationTask, "evaluate", broken_evaluate)
     with pytest.raises(RuntimeError, match="evaluation exploded"):
         train(cfg_tiny)
     assert not (tmp_path / "metrics.json").exists()

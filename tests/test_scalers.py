@@ -179,6 +179,42 @@ def test_skipped_step_leaves_params_and_optimizer_state_bitwise_unchanged(make_o
     assert scaler.skipped_steps == 1 and scaler.overflow_count == 1
 
 
+def _adaptive_scaler():
+    from adaloss.scalers.adaptive import AdaptiveLossScaler
+
+    return AdaptiveLossScaler()
+
+
+@pytest.mark.parametrize(
+    "make_scaler",
+    [NoLossScaler, FixedLossScaler, DynamicLossScaler, _adaptive_scaler],
+    ids=["none", "fixed", "dynamic", "adaptive"],
+)
+def test_found_inf_is_all_reduced_under_torch_distributed(make_scaler, monkeypatch) -> None:
+    """With a (simulated) process group of 2, the flag is MAX-all-reduced once per optimizer before step()
+    reads it: another rank's Inf skips this rank's step too, with this rank's gradients all finite. (The real
+    2-process run is in tests/test_distributed.py.)"""
+    from adaloss.scalers import base
+
+    calls = []
+
+    def all_reduce(tensor, op=None, group=None):
+        calls.append((tensor.shape, op))
+        tensor.fill_(1.0)  # the other rank saw an Inf
+
+    monkeypatch.setattr(base, "distributed_world_size", lambda: 2)
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    scaler = make_scaler()
+    param = nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    param.grad = torch.tensor([1.0, 2.0])
+    assert scaler.step(optimizer) is None
+    scaler.update()
+    assert scaler.last_step_skipped and scaler.skipped_steps == 1
+    assert torch.equal(param.detach(), torch.zeros(2))
+    assert calls == [(torch.Size([]), torch.distributed.ReduceOp.MAX)]
+
+
 def test_last_step_skipped_keeps_the_lr_schedule_in_place() -> None:
     params = _params()
     optimizer = torch.optim.SGD(params, lr=0.8)

@@ -77,8 +77,10 @@ def one_thread():
 
 def test_bench_quick_writes_every_ratio(bench, tmp_path: Path, capsys, one_thread) -> None:
     out = tmp_path / "bench.json"
-    bench.main(["--quick", "--models", "resnet20", "--rounds", "1", "--batch", "4", "--out", str(out)])
+    argv = ["--quick", "--models", "resnet20", "--rounds", "1", "--batch", "4", "--clock", "cpu"]
+    bench.main([*argv, "--out", str(out)])
     payload = json.loads(out.read_text())
+    assert payload["settings"]["clock"] == "cpu" and bench._CLOCK is bench.CLOCKS["wall"]  # restored
     assert set(bench.RATIO_KEYS) == set(BENCH_RATIOS)
     for key in BENCH_RATIOS:
         entry = payload["ratios"][f"{key}/resnet20"]
@@ -95,7 +97,7 @@ def test_bench_quick_writes_every_ratio(bench, tmp_path: Path, capsys, one_threa
     assert ("fp16_none", "telemetry") in kinds
     assert {k for c, k in kinds if c == "fp16_adaptive_u1"} == {"recompute"}
     printed = capsys.readouterr().out
-    assert "Machine:" in printed and "torch" in printed
+    assert "Machine:" in printed and "torch" in printed and "cpu clock" in printed
     assert "| emulated FP16 / FP32 (scaler none)" in printed
     assert ("PASS" in printed) or ("over target" in printed)
 

@@ -16,6 +16,7 @@ from adaloss.models.ssd import (
     build_detector,
     feature_map_sizes,
     load_backbone_weights,
+    lsuv_init_,
 )
 from adaloss.scalers.adaptive import AdaptiveLossScaler
 
@@ -217,6 +218,57 @@ def test_invalid_model_fields_are_config_errors():
         build_model({"name": "ssd1024"}, num_classes=3)
     with pytest.raises(ConfigError, match="at least one object class"):
         build_detector({"name": "ssd300", "image_size": 64}, num_classes=0)
+
+
+def test_width_multiplier_scales_channels_but_keeps_layers_and_boxes(tmp_path):
+    """model.width_multiplier (a CPU knob): fewer channels everywhere, same layers, maps and default boxes."""
+    torch.manual_seed(0)
+    full = build_detector({"name": "ssd512", "image_size": 64}, num_classes=3)
+    thin = build_detector({"name": "ssd512", "image_size": 64, "width_multiplier": 0.25}, num_classes=3)
+    assert full.net.backbone.width_multiplier == 1.0 and thin.net.backbone.width_multiplier == 0.25
+    full_params, thin_params = dict(full.net.named_parameters()), dict(thin.net.named_parameters())
+    assert list(full_params) == list(thin_params)  # same layer names and order
+    assert full.net.backbone.conv1_1.in_channels == thin.net.backbone.conv1_1.in_channels == 3
+    assert (thin.net.backbone.conv1_1.out_channels, thin.net.backbone.conv7.out_channels) == (16, 256)
+    assert thin.net.backbone.out_channels == [128, 256, 128, 64, 64, 64, 64]
+    assert thin.net.backbone.conv4_3_norm.weight.shape == (128,)
+    assert feature_map_sizes(thin.net.backbone, 64) == feature_map_sizes(full.net.backbone, 64)
+    torch.testing.assert_close(thin.anchors, full.anchors)
+    assert sum(p.numel() for p in thin.net.parameters()) < sum(p.numel() for p in full.net.parameters()) / 10
+    cls_logits, bbox_regression = thin(torch.randn(2, 3, 64, 64))
+    assert cls_logits.shape == (2, thin.num_anchors, 4) and bbox_regression.shape == (2, thin.num_anchors, 4)
+    fx.symbolic_trace(thin.net)  # still traceable for the adaptive scaler
+
+    for bad in (0, -0.5, float("nan"), "wide", True):
+        with pytest.raises(ConfigError, match="width_multiplier must be a positive number"):
+            build_detector({"name": "ssd300", "image_size": 64, "width_multiplier": bad}, num_classes=3)
+    weights = tmp_path / "backbone.pt"
+    torch.save(full.net.backbone.state_dict(), weights)
+    cfg = {"name": "ssd512", "image_size": 64, "width_multiplier": 0.5, "backbone_weights": str(weights)}
+    with pytest.raises(ConfigError, match="width_multiplier=1.0 or model.backbone_weights=null"):
+        build_detector(cfg, num_classes=3)
+
+
+def test_from_scratch_init_helpers():
+    """lsuv_init_ gives every backbone conv a unit-std output (the deep small maps no longer vanish);
+    model.background_prior sets the classification biases to that background probability."""
+    torch.manual_seed(0)
+    detector = build_detector(
+        {"name": "ssd512", "image_size": 64, "width_multiplier": 0.25, "background_prior": 0.99},
+        num_classes=3,
+    )
+    images = torch.randn(4, 3, 64, 64)
+    before = [f.std().item() for f in detector.net.backbone(images)]
+    stds = lsuv_init_(detector.net.backbone, images)
+    convs = [n for n, m in detector.net.backbone.named_children() if isinstance(m, torch.nn.Conv2d)]
+    assert list(stds) == convs and len(convs) == 25  # 13 VGG + conv6, conv7 + 5 extra blocks of 2
+    assert all(abs(std - 1.0) < 0.05 for std in stds.values()), stds
+    after = [f.std().item() for f in detector.net.backbone(images)]
+    assert before[-1] < 1e-3 < 0.1 < min(after)  # the last map: vanishing at the default init, O(1) after
+    probs = detector.net(images)[0].softmax(-1)
+    assert probs.shape[-1] == 4 and (probs[..., 0] > 0.9).float().mean() > 0.5
+    with pytest.raises(ConfigError, match="background_prior"):
+        build_detector({"name": "ssd300", "image_size": 64, "background_prior": 1.0}, num_classes=3)
 
 
 def test_outputs_of_another_image_size_get_a_clear_error(small_detector):

@@ -26,7 +26,7 @@ from torch import nn
 
 from adaloss.errors import ConfigError
 from adaloss.numerics.emulation import LAYER_NAMES, EmulatedAutocast
-from adaloss.numerics.formats import FloatFormat, get_format
+from adaloss.numerics.formats import FORMATS, FloatFormat, get_format
 
 __all__ = ["Precision", "PRECISION_NAMES", "GEMM_MODULES"]
 
@@ -57,7 +57,16 @@ class Precision:
     def __init__(self, name: str, device: str | torch.device, telemetry_format: str = "fp16") -> None:
         name = str(name)
         if name not in PRECISION_NAMES:
-            raise ConfigError(f"unknown precision '{name}': choose one of {', '.join(PRECISION_NAMES)}")
+            raise ConfigError(
+                f"unknown precision '{name}' (precision.name): choose precision= one of "
+                f"{', '.join(PRECISION_NAMES)}"
+            )
+        if not isinstance(telemetry_format, FloatFormat) and str(telemetry_format) not in FORMATS:
+            # checked for every precision, not only fp32 (the one that reads it), so a typo never hides
+            raise ConfigError(
+                f"unknown telemetry.format '{telemetry_format}': choose telemetry.format= one of "
+                f"{', '.join(FORMATS)}"
+            )
         self.name = name
         self.device = torch.device(device)
         if name == "fp32":

@@ -7,6 +7,11 @@ counted just before it is rounded. On CUDA, telemetry steps run through the same
 plus rounding) instead of real autocast, so the count is honest there too; see
 :meth:`adaloss.precision.Precision.autocast`.
 
+Optionally (``expected_loss_scale=True``) each layer's *expected loss scale* is recorded too: one over the
+``ceil(quantile * N)``-th smallest non-zero ``|g|`` among the ``N`` non-zero elements of its activation
+gradient, i.e. the scale that would lift all but the smallest ``quantile`` share of them to 1 (the paper's
+Figure 1b uses ``quantile = 0.01``).
+
 Telemetry is sampled on the first iteration and then every ``every`` iterations, so its cost (one extra
 comparison pass per probed gradient and one host sync per telemetry step) is negligible in long runs while
 short runs still report it.
@@ -38,19 +43,34 @@ class UnderflowMonitor:
         every (int, optional, default=100): sample the first iteration and every ``every`` after it.
         fmt (str or FloatFormat, optional, default="fp16"): the format whose underflow is counted (for an
             FP32 run this is the format the gradients *would* lose values in).
+        expected_loss_scale (bool, optional, default=False): also record each layer's expected loss scale
+            (read ``last_expected_loss_scale`` after :meth:`underflow_rates`). Costs one ``kthvalue`` per
+            probed gradient on telemetry steps.
+        quantile (float, optional, default=0.01): the share of smallest non-zero magnitudes the expected
+            loss scale may leave below 1; in (0, 1).
     """
 
-    def __init__(self, every: int = 100, fmt: str | FloatFormat = "fp16") -> None:
+    def __init__(
+        self,
+        every: int = 100,
+        fmt: str | FloatFormat = "fp16",
+        expected_loss_scale: bool = False,
+        quantile: float = 0.01,
+    ) -> None:
         try:
             every = int(every)
         except (TypeError, ValueError):
             raise ConfigError(f"telemetry.every must be a positive integer, got '{every}'") from None
         if every < 1:
             raise ConfigError(f"telemetry.every must be a positive integer, got {every}")
+        if isinstance(quantile, bool) or not isinstance(quantile, int | float) or not 0.0 < quantile < 1.0:
+            raise ConfigError(f"telemetry.quantile must be a number in (0, 1), got {quantile!r}")
         self.every = every
         self.fmt = get_format(fmt)
+        self.quantile = float(quantile) if expected_loss_scale else None
         self._probes: dict[str, Probe] = {}
         self.last_rates: dict[str, float] = {}
+        self.last_expected_loss_scale: dict[str, float] = {}
 
     def due(self, step: int) -> bool:
         """Whether iteration ``step`` (0-based) is a telemetry step. No host sync."""
@@ -60,22 +80,30 @@ class UnderflowMonitor:
         """The probe that counts the gradient of layer ``name`` this step (created on first use)."""
         p = self._probes.get(name)
         if p is None:
-            p = self._probes[name] = Probe(self.fmt)
+            p = self._probes[name] = Probe(self.fmt, self.quantile)
         return p
 
     def underflow_rates(self) -> dict[str, float]:
         """Per-layer underflow rates of the last telemetry step, in network order; resets the counts.
 
-        Synchronizes host and device once (all counts are stacked and copied together).
+        With ``expected_loss_scale``, also sets ``last_expected_loss_scale`` (``{layer: 1 / kth |g|}``, for
+        the layers with a non-zero gradient). Synchronizes host and device once (all counts and magnitudes
+        are stacked and copied together).
         """
         names = [n for n, p in self._probes.items() if p.underflow is not None and p.numel > 0]
         if not names:
             self._probes.clear()
+            self.last_expected_loss_scale = {}
             return {}
         import torch
 
-        counts = torch.stack([self._probes[n].underflow.float() for n in names]).cpu().tolist()
+        kth_names = [n for n in names if self._probes[n].kth is not None]
+        values = [self._probes[n].underflow.float() for n in names]
+        values += [self._probes[n].kth.float() for n in kth_names]
+        flat = torch.stack(values).cpu().tolist()
+        counts, kths = flat[: len(names)], flat[len(names) :]
         rates = {n: c / self._probes[n].numel for n, c in zip(names, counts, strict=True)}
+        self.last_expected_loss_scale = {n: 1.0 / k for n, k in zip(kth_names, kths, strict=True) if k > 0}
         self._probes.clear()
         self.last_rates = rates
         return rates

@@ -15,12 +15,23 @@ between points and pass alpha through unchanged (section 3.2.2), so they need no
   gradient from ``delta_j`` and divides it by ``alpha_j`` in FP32 so the master weights receive true
   gradients.
 * :class:`Rescale` (branches, Algorithm 5): all gradients flowing into one tensor arrive together; they are
-  brought to one common alpha (:func:`branch_loss_scale`) before autograd sums them.
+  brought to one common alpha (:func:`branch_loss_scale`) and summed, the rescaling fused into the sum.
 
 Nothing here synchronizes host and device: the statistics, betas and alphas stay on the device as tensors.
-On update steps the scaler copies all betas and branch factors to the host once (one sync per
-``update_every`` steps); on the other steps the ops use those host copies, which lets them skip
-multiplications by exactly 1.
+On update steps the scaler copies all betas, branch factors and branch alphas to the host once (one sync
+per ``update_every`` steps); on the other steps the ops run on those host copies: every alpha is a Python
+float, so no scalar device op runs at all, multiplications by exactly 1 are skipped and the rest take
+Python scalars.
+
+Where the time goes (emulated FP16 on the CPU, measured against the dynamic scaler): on a recompute step,
+the two reductions over each incoming gradient (its norm; its min and max), two per branch input (min and
+max), and about ten scalar ops per point; the weights' statistics are computed for all layers at once
+(:func:`weight_factors`). On a reuse step only weight-sized work is added (the beta-scaled weight, the
+division of the weight gradient by alpha), plus a little Python per point. Two things keep the reuse step
+at the plain layer's cost: the ops run with torch-function modes disabled (under the CPU emulation's mode,
+every tensor op and even ``.dtype`` inside them would take a Python round trip), and a branch adds its
+inputs' gradients in place into the gradient a GEMM point made for it, as autograd's own accumulation
+would, instead of allocating a rescaled copy.
 """
 
 from __future__ import annotations
@@ -32,7 +43,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from adaloss.numerics.emulation import active_emulation, is_low_precision, mark_low_precision, suspended
+from adaloss.numerics.emulation import active_emulation, is_low_precision, mark_low_precision
 from adaloss.numerics.formats import round_to_format
 
 __all__ = [
@@ -50,15 +61,71 @@ def _erfinv(p: float) -> float:
     return float(torch.erfinv(torch.tensor(p, dtype=torch.float64)))
 
 
+_POW2_MASK = {torch.float32: (torch.int32, 0x7F800000), torch.float64: (torch.int64, 0x7FF0000000000000)}
+
+
 def _floor_pow2(x: torch.Tensor) -> torch.Tensor:
-    """Round positive values down to a power of two (section 3.2.3), so that (alpha*x)/alpha == x exactly."""
-    return torch.exp2(torch.floor(torch.log2(x)))
+    """Round positive values down to a power of two (section 3.2.3), so that (alpha*x)/alpha == x exactly.
+
+    For float32/float64 this clears the mantissa bits (one op, exact: ``exp2(floor(log2(x)))`` can round up
+    for values a few ulps below a power of two); infinities stay infinite, NaN becomes infinity and
+    subnormals become 0, which the caller maps to its fallback. Other dtypes use ``exp2(floor(log2(x)))``.
+    """
+    mask = _POW2_MASK.get(x.dtype)
+    if mask is None:
+        return torch.exp2(torch.floor(torch.log2(x)))
+    int_dtype, bits = mask
+    return torch.bitwise_and(x.view(int_dtype), bits).view(x.dtype)
 
 
 def _max_abs(x: torch.Tensor) -> torch.Tensor:
     """max|x| in one pass without a temporary (aminmax; ``vector_norm(ord=inf)`` is several times slower)."""
     lo, hi = torch.aminmax(x)
     return torch.maximum(-lo, hi)
+
+
+def _erfinv_factor(t_uf: float) -> float:
+    return math.sqrt(2.0) * _erfinv(t_uf)
+
+
+def weight_factors(
+    weights: list[torch.Tensor], delta_numels: list[int], u_min: float, u_max: float, t_uf: float
+) -> list[torch.Tensor]:
+    """The weight-dependent part of Algorithm 4 for several GEMM points at once (no host sync).
+
+    With ``ms = ||x||^2 / n`` the two bounds of :func:`gemm_loss_scale` factor as
+    ``lower = P0 / ||delta||`` with ``P0 = u_min sqrt(n_w n_g) / (sqrt(2) erfinv(t_uf) ||W||)`` and
+    ``upper = P1 / max|delta|`` with ``P1 = u_max / max|W|``. Returns, per point, the 3-vector
+    ``[P0, P1, P1]`` (``P1`` twice: it is divided by ``|min delta|`` and ``|max delta|``). Computed with two
+    ``_foreach_norm`` calls per (device, dtype) group and a handful of vector ops, instead of about ten
+    scalar ops per layer; low-precision weights are reduced in float32.
+    """
+    out: list[torch.Tensor | None] = [None] * len(weights)
+    groups: dict[tuple, list[int]] = {}
+    for i, w in enumerate(weights):
+        groups.setdefault((w.device, w.dtype), []).append(i)
+    k = _erfinv_factor(t_uf)
+    for (device, dtype), idx in groups.items():
+        ws = [weights[i] for i in idx]
+        red = None if dtype in (torch.float32, torch.float64) else torch.float32
+        out_dtype = dtype if red is None else red
+        if len(ws) == 1:
+            w = ws[0]
+            norms = torch.linalg.vector_norm(w, dtype=red).reshape(1)
+            maxs = _max_abs(w).to(out_dtype).reshape(1)
+        else:
+            norms = torch.stack(torch._foreach_norm(ws, 2, dtype=red))
+            maxs = torch.stack(torch._foreach_norm(ws, math.inf, dtype=red))
+        consts = torch.tensor(
+            [u_min * math.sqrt(weights[i].numel() * delta_numels[i]) / k for i in idx],
+            dtype=out_dtype,
+            device=device,
+        )
+        upper = u_max / maxs
+        rows = torch.stack([consts / norms, upper, upper], dim=1).unbind(0)
+        for i, row in zip(idx, rows, strict=True):
+            out[i] = row
+    return out  # type: ignore[return-value]
 
 
 def gemm_loss_scale(
@@ -69,6 +136,7 @@ def gemm_loss_scale(
     t_uf: float,
     allow_below_one: bool = False,
     reduce_fn: Any = None,
+    factors: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Algorithm 4 plus the post-processing of section 3.2.3: the local scale ``beta`` of one GEMM layer.
 
@@ -77,29 +145,32 @@ def gemm_loss_scale(
     (``sigma^2 + mu^2 = E[x^2]``), so one pass over each tensor gives it. The lower bound that keeps
     ``P(|beta*p| <= u_min)`` under ``t_uf`` is ``u_min / (sigma_p * sqrt(2) * erfinv(t_uf))``; the overflow
     bound ``u_max / (max|W| * max|delta|)`` replaces it when smaller. The result is rounded down to a power of
-    two, kept at 1 or above unless ``allow_below_one``, and falls back to 1 when the gradient is all zeros.
+    two, kept at 1 or above unless ``allow_below_one``, and falls back to 1 when the gradient is all zeros
+    (or holds Inf/NaN).
 
-    Cost: two single-pass reductions over ``delta`` (second moment, max) and two over ``weight``. No host
-    sync.
+    Cost: two single-pass reductions over ``delta`` (its norm, its min and max) and about ten scalar ops;
+    the weight's part (two reductions over ``weight``) comes precomputed as ``factors`` (see
+    :func:`weight_factors`) or is computed here. No host sync.
     ``reduce_fn(second_moment, max_abs)`` may all-reduce the delta statistics across ranks.
     """
-    # vector_norm reduces in one pass without a temporary (square() or abs() would allocate one).
-    w = weight if weight.dtype in (torch.float32, torch.float64) else weight.float()
-    g = delta if delta.dtype in (torch.float32, torch.float64) else delta.float()
-    ms_w = torch.linalg.vector_norm(w).square() / w.numel()
-    ms_g = torch.linalg.vector_norm(g).square() / g.numel()
-    max_w = _max_abs(w)
-    max_g = _max_abs(g)
+    n_g = delta.numel()
+    if factors is None:
+        factors = weight_factors([weight], [n_g], u_min, u_max, t_uf)[0]
+    red = None if delta.dtype in (torch.float32, torch.float64) else torch.float32
+    norm_g = torch.linalg.vector_norm(delta, dtype=red)
+    lo, hi = torch.aminmax(delta)
     if reduce_fn is not None:
-        ms_g, max_g = reduce_fn(ms_g, max_g)
-    sigma_p = torch.sqrt(ms_w * ms_g)
-    lower = u_min / (sigma_p * (math.sqrt(2.0) * _erfinv(t_uf)))
-    upper = u_max / (max_w * max_g)
-    beta = torch.minimum(lower, upper)
-    if not allow_below_one:
-        beta = beta.clamp(min=1.0)
-    beta = _floor_pow2(beta)
-    return torch.where(torch.isfinite(beta) & (beta > 0), beta, torch.ones_like(beta))
+        max_g = torch.maximum(-lo, hi).to(norm_g.dtype)
+        ms_g, max_g = reduce_fn(norm_g.square() / n_g, max_g)
+        norm_g, lo, hi = torch.sqrt(ms_g * n_g), max_g, max_g
+    # [P0/||delta||, P1/|min delta|, P1/|max delta|]: the smallest is min(lower, upper)
+    stats = torch.stack([norm_g, lo.to(norm_g.dtype), hi.to(norm_g.dtype)]).abs_()
+    beta = (factors / stats).amin()
+    if allow_below_one:
+        beta = _floor_pow2(beta)
+        return torch.where((beta > 0) & (beta < math.inf), beta, torch.ones_like(beta))
+    beta = _floor_pow2(beta.clamp_(min=1.0))  # NaN (from a NaN gradient) becomes +inf here
+    return torch.nan_to_num_(beta, posinf=1.0)
 
 
 def branch_loss_scale(alphas: torch.Tensor, max_abs: torch.Tensor, u_max: float) -> torch.Tensor:
@@ -123,6 +194,9 @@ class GemmPoint:
     name: str  # module path, with "#k" for the k-th extra call of the same module
     in_slot: int = -1  # slot holding alpha_j of the gradient this layer receives
     out_slot: int = -1  # slot this layer writes alpha_j * beta into
+    # (branch index, consumer index) when this call's input is directly one alias of a branch point, so
+    # its input gradient goes straight (and only) to that branch's backward: it may add into it in place
+    feeds: tuple[int, int] | None = None
 
 
 @dataclass
@@ -138,9 +212,14 @@ class BranchPoint:
 class AdaptiveState:
     """Per-model state of the adaptive scaler: slots of alphas, the betas, and what the host knows of them.
 
-    ``alpha[s]`` are 0-dim device tensors written during the backward pass. ``beta`` holds one device
-    tensor per GEMM point; ``beta_host`` and ``branch_factors_host`` are the host copies fetched once per
-    update step, used on the steps in between to skip multiplications by 1.
+    ``beta`` holds one device tensor per GEMM point, ``branch_alpha``/``branch_factors`` one per branch point.
+    ``beta_host``, ``branch_factors_host`` and ``branch_alpha_host`` are their host copies, fetched in one
+    sync after each update step (``update_every > 1``) and dropped when the betas are recomputed.
+
+    ``alpha[s]`` is the scale of the gradient emitted into slot ``s`` during the current backward pass. On
+    a *recompute* pass, and on a reuse pass without host copies, alphas are 0-dim device tensors computed
+    from the device betas. On a reuse pass with host copies (``host`` is True) every alpha is a Python
+    float: the ops then multiply by Python scalars, skip factors equal to 1, and run no scalar device ops.
     """
 
     def __init__(
@@ -157,16 +236,24 @@ class AdaptiveState:
         self.gemms: list[GemmPoint] = []
         self.branches: list[BranchPoint] = []
         self.num_slots = 1
-        self.alpha: list[torch.Tensor | None] = [None]
+        self.alpha: list[torch.Tensor | float | None] = [None]
         self.beta: list[torch.Tensor | None] = []
         self.beta_host: list[float] | None = None
         self.branch_alpha: list[torch.Tensor | None] = []
+        self.branch_alpha_host: list[float] | None = None
         self.branch_factors: list[torch.Tensor | None] = []
         self.branch_factors_host: list[list[float]] | None = None
-        self.branch_rescaled: list[torch.Tensor | None] = []
+        # per branch point, (incoming alphas, common alpha) of the last recompute; see ``rescaled()``
+        self.branch_rescaled: list[tuple[torch.Tensor, torch.Tensor] | None] = []
         self.recompute = True
+        self.host = False
         self.reduce_fn: Any = None
         self.param_slots: dict[str, int] = {}  # non-GEMM parameters -> slot of the gradient that scales them
+        # the weight each GEMM point's forward used and its output size, for the batched weight statistics
+        self.fwd_weight: list[tuple[torch.Tensor, int] | None] = []
+        self._weight_factors: list[torch.Tensor | None] | None = None
+        # input gradients made by GEMM points that feed a branch directly (see ``GemmPoint.feeds``)
+        self.fresh: dict[tuple[int, int], torch.Tensor] = {}
 
     def new_slot(self) -> int:
         self.num_slots += 1
@@ -178,6 +265,7 @@ class AdaptiveState:
         point.out_slot = self.new_slot()
         self.gemms.append(point)
         self.beta.append(None)
+        self.fwd_weight.append(None)
         return point
 
     def add_branch(self, name: str) -> BranchPoint:
@@ -189,13 +277,42 @@ class AdaptiveState:
         self.branch_rescaled.append(None)
         return point
 
-    def start_backward(self, root_alpha: torch.Tensor, recompute: bool) -> None:
-        """Called by ``scaler.scale(loss)``: reset the slots and set the root scale alpha_{N+1}."""
-        self.alpha = [None] * self.num_slots
-        self.alpha[0] = root_alpha
-        self.recompute = recompute or self.beta_host is None
+    def drop_host_copies(self) -> None:
+        """Forget the host copies (the device betas are about to change, or did)."""
+        self.beta_host = None
+        self.branch_factors_host = None
+        self.branch_alpha_host = None
 
-    def read_alpha(self, slot: int, where: str) -> torch.Tensor:
+    def start_backward(
+        self, root_alpha: torch.Tensor, recompute: bool, root_host: float | None = None
+    ) -> None:
+        """Called by ``scaler.scale(loss)``: reset the slots and set the root scale alpha_{N+1}.
+
+        ``recompute``: compute new betas in this backward pass (the host copies are dropped; the scaler
+        fetches new ones after the step). Otherwise the existing betas are reused: as Python floats if the
+        host copies and ``root_host`` (the root scale as a float) are available, else as device tensors (a
+        second backward pass of a recompute iteration, under gradient accumulation). A pass before any
+        betas exist always recomputes.
+        """
+        self.alpha = [None] * self.num_slots
+        self._weight_factors = None
+        self.fresh = {}
+        if recompute or any(b is None for b in self.beta) or any(f is None for f in self.branch_factors):
+            self.recompute = True
+            self.host = False
+            self.drop_host_copies()
+        else:
+            self.recompute = False
+            self.fwd_weight = [None] * len(self.fwd_weight)  # no statistics needed: drop the references
+            self.host = (
+                root_host is not None
+                and self.beta_host is not None
+                and self.branch_factors_host is not None
+                and self.branch_alpha_host is not None
+            )
+        self.alpha[0] = float(root_host) if self.host else root_alpha
+
+    def read_alpha(self, slot: int, where: str) -> torch.Tensor | float:
         a = self.alpha[slot]
         if a is None:
             raise RuntimeError(
@@ -203,6 +320,38 @@ class AdaptiveState:
                 "than loss.backward() on a model returned by scaler.attach()"
             )
         return a
+
+    def factors_for(self, index: int, delta: torch.Tensor) -> torch.Tensor | None:
+        """Point ``index``'s weight factors for :func:`gemm_loss_scale`, computed for every point at once on
+        the first call of a recompute pass (from the weights the forward pass recorded). ``None`` (compute
+        them per layer) if the point's forward was not recorded or saw a different gradient size."""
+        if self._weight_factors is None:
+            recorded = [(i, rec) for i, rec in enumerate(self.fwd_weight) if rec is not None]
+            self._weight_factors = [None] * len(self.fwd_weight)
+            if recorded:
+                rows = weight_factors(
+                    [w for _, (w, _) in recorded],
+                    [n for _, (_, n) in recorded],
+                    self.u_min,
+                    self.u_max,
+                    self.t_uf,
+                )
+                for (i, _), row in zip(recorded, rows, strict=True):
+                    self._weight_factors[i] = row
+            self.fwd_weight = [None] * len(self.fwd_weight)  # do not keep the weight copies alive
+            self._recorded_numel = {i: n for i, (_, n) in recorded}
+        row = self._weight_factors[index]
+        if row is None or self._recorded_numel.get(index) != delta.numel():
+            return None
+        return row
+
+    def rescaled(self, index: int) -> torch.Tensor | None:
+        """Whether branch ``index``'s incoming gradients had different alphas at the last recompute."""
+        entry = self.branch_rescaled[index]
+        if entry is None:
+            return None
+        alphas, common = entry
+        return (alphas != common).any()
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -244,11 +393,24 @@ class ScaledGEMM(torch.autograd.Function):
     In emulation it rounds like :class:`~adaloss.numerics.emulation.EmulatedAutocast` would around a GEMM:
     the weight copy, the output, the incoming gradient (counted for telemetry), the beta-scaled weight used
     for the input gradient, and the weight gradient before it is unscaled into the FP32 master gradient.
-    Under CUDA autocast it computes in the autocast dtype explicitly.
+    Under CUDA autocast it computes in the autocast dtype explicitly. ``record`` (grad mode was on at the
+    call) lets the forward pass leave its weight in the state for the batched weight statistics.
+
+    Per backward call, beyond what the plain layer does: on a recompute pass two reductions over the
+    incoming gradient and about ten scalar ops; on every pass one multiply of the weight by beta (skipped
+    when beta is known to be 1) and one in-place division of the weight gradient by alpha (skipped when
+    alpha is known to be 1).
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, point: GemmPoint, state: AdaptiveState, spec: dict):  # type: ignore[override]
+    def forward(ctx, x, weight, bias, point: GemmPoint, state: AdaptiveState, spec: dict, record: bool):  # type: ignore[override]
+        # Torch-function modes (the CPU emulation's) off: every op here, even ``.dtype``, would otherwise
+        # take a Python round trip through the mode; the emulation's rounding is done explicitly below.
+        with torch._C.DisableTorchFunction():
+            return ScaledGEMM._forward(ctx, x, weight, bias, point, state, spec, record)
+
+    @staticmethod
+    def _forward(ctx, x, weight, bias, point, state, spec, record):
         emu = active_emulation()
         fmt = emu.fmt if emu is not None else None
         ctx.grad_fmt = emu.grad_fmt if emu is not None else None
@@ -259,31 +421,37 @@ class ScaledGEMM(torch.autograd.Function):
         dtype = None
         if x.device.type == "cuda" and torch.is_autocast_enabled("cuda"):
             dtype = torch.get_autocast_dtype("cuda")
-        with suspended():
-            if dtype is not None:
-                x, weight = x.to(dtype), weight.to(dtype)
-                bias = bias.to(dtype) if bias is not None else None
-            if fmt is not None:
-                if not is_low_precision(x):  # usually already stored in the format by its producer
-                    x = round_to_format(x, fmt)
-                weight = round_to_format(weight, fmt)
-                bias = round_to_format(bias, fmt) if bias is not None else None
-            if spec["kind"] == "linear":
-                y = F.linear(x, weight, bias)
-            elif spec["kind"] == "conv":
-                y = _conv_forward(x, weight, bias, spec)
-            else:
-                y = _conv_transpose_forward(x, weight, bias, spec)
-            if fmt is not None:
-                y = round_to_format(y, fmt)
+        if dtype is not None:
+            x, weight = x.to(dtype), weight.to(dtype)
+            bias = bias.to(dtype) if bias is not None else None
+        if fmt is not None:
+            if not is_low_precision(x):  # usually already stored in the format by its producer
+                x = round_to_format(x, fmt)
+            weight = round_to_format(weight, fmt)
+            bias = round_to_format(bias, fmt) if bias is not None else None
+        if spec["kind"] == "linear":
+            y = F.linear(x, weight, bias)
+        elif spec["kind"] == "conv":
+            y = _conv_forward(x, weight, bias, spec)
+        else:
+            y = _conv_transpose_forward(x, weight, bias, spec)
+        if fmt is not None:
+            y = round_to_format(y, fmt)
         ctx.has_bias = bias is not None
         ctx.save_for_backward(x, weight)
+        if record:
+            state.fwd_weight[point.index] = (weight, y.numel())
         if fmt is not None:
             mark_low_precision(y)
         return y
 
     @staticmethod
     def backward(ctx, delta):  # type: ignore[override]
+        with torch._C.DisableTorchFunction():
+            return ScaledGEMM._backward(ctx, delta)
+
+    @staticmethod
+    def _backward(ctx, delta):
         x, w = ctx.saved_tensors
         point, state, spec, grad_fmt = ctx.point, ctx.state, ctx.spec, ctx.grad_fmt
         if grad_fmt is not None:
@@ -298,26 +466,37 @@ class ScaledGEMM(torch.autograd.Function):
         alpha_j = state.read_alpha(point.in_slot, point.name)
         k = point.index
 
-        if state.recompute or state.beta[k] is None:
-            beta = gemm_loss_scale(
-                w, delta, state.u_min, state.u_max, state.t_uf, state.allow_below_one, state.reduce_fn
-            )
-            state.beta[k] = beta
-            beta_host = None
+        if state.host:  # reuse pass with host copies: plain floats, nothing to compute on the device
+            beta = state.beta_host[k]
+            state.alpha[point.out_slot] = alpha_j * beta
+            beta_is_one = beta == 1.0
         else:
-            beta = state.beta[k]
-            beta_host = state.beta_host[k] if state.beta_host is not None else None
-        state.alpha[point.out_slot] = alpha_j * beta
+            if state.recompute or state.beta[k] is None:
+                beta = gemm_loss_scale(
+                    w,
+                    delta,
+                    state.u_min,
+                    state.u_max,
+                    state.t_uf,
+                    state.allow_below_one,
+                    state.reduce_fn,
+                    factors=None if state.reduce_fn is not None else state.factors_for(k, delta),
+                )
+                state.beta[k] = beta
+            else:
+                beta = state.beta[k]
+            state.alpha[point.out_slot] = alpha_j * beta
+            beta_is_one = False
 
         grad_x = grad_w = grad_b = None
         need_x = ctx.needs_input_grad[0]
         need_w = ctx.needs_input_grad[1] or (ctx.has_bias and ctx.needs_input_grad[2])
         # Paper: "beta is used to scale W before computing the scaled input activation gradients"; this
         # equals Backprop(beta * delta) and touches only weight-sized data.
-        if not need_x or beta_host == 1.0:
+        if not need_x or beta_is_one:
             w_scaled = w
         else:
-            w_scaled = w * beta.to(w.dtype)
+            w_scaled = w * beta
             if grad_fmt is not None:
                 w_scaled = round_to_format(w_scaled, grad_fmt)
         if spec["kind"] == "linear":
@@ -334,16 +513,29 @@ class ScaledGEMM(torch.autograd.Function):
             )
         if need_x:
             grad_x = grad_x.to(ctx.x_dtype)
+            if point.feeds is not None:
+                state.fresh[point.feeds] = grad_x
         if need_w:
-            # The low-precision weight gradient reaches the FP32 master copy, then is unscaled there.
+            # The low-precision weight gradient reaches the FP32 master copy, then is unscaled there. Every
+            # tensor here is fresh (made by this backward), so dividing in place is safe; alpha is a power
+            # of two, so dividing equals multiplying by its reciprocal, exactly.
             if grad_fmt is not None:
                 grad_w = round_to_format(grad_w, grad_fmt)
                 grad_b = round_to_format(grad_b, grad_fmt) if grad_b is not None else None
             master = ctx.w_dtype
-            inv = 1.0 / alpha_j.to(master)
-            grad_w = grad_w.to(master) * inv
-            grad_b = grad_b.to(master) * inv if grad_b is not None else None
-        return grad_x, grad_w, grad_b, None, None, None
+            grad_w = _unscaled(grad_w, master, alpha_j)
+            grad_b = _unscaled(grad_b, master, alpha_j) if grad_b is not None else None
+        return grad_x, grad_w, grad_b, None, None, None, None
+
+
+def _unscaled(grad: torch.Tensor, dtype: torch.dtype, alpha: torch.Tensor | float) -> torch.Tensor:
+    if grad.dtype != dtype:
+        grad = grad.to(dtype)
+    elif grad._base is not None:
+        grad = grad.clone()  # a view (e.g. of a reshaped matmul): do not write into its base
+    if isinstance(alpha, float):
+        return grad if alpha == 1.0 else grad.div_(alpha)
+    return grad.div_(alpha)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -355,51 +547,126 @@ class Rescale(torch.autograd.Function):
 
     For a tensor with n consumers the transform calls ``Rescale.apply(point, state, x, x, ..., x)`` and
     hands one output to each consumer, so the n gradients arrive here together; each is brought to the
-    common alpha and autograd then sums them into ``x``'s gradient. For an op with several outputs (split,
-    chunk) it is called with those outputs instead.
+    common alpha and they are summed here, the rescaling fused into the sum (``torch.add(a, b, alpha=f)`` or
+    ``addcmul``) so no separately scaled copy is made; the sum is returned for the first input and ``None``
+    for the others, so autograd has nothing left to add. For an op with several outputs (split, chunk) it
+    is called with those outputs instead, and each gradient is rescaled on its own.
     """
 
     @staticmethod
     def forward(ctx, point: BranchPoint, state: AdaptiveState, *xs):  # type: ignore[override]
         ctx.point, ctx.state = point, state
-        outs = tuple(x.view_as(x) for x in xs)
-        emu = active_emulation()
-        if emu is not None and emu.fmt is not None:
-            for o in outs:
-                mark_low_precision(o)
+        ctx.shared = len(xs) > 1 and all(x is xs[0] for x in xs)
+        with torch._C.DisableTorchFunction():  # as in ScaledGEMM.forward
+            outs = tuple(x.view_as(x) for x in xs)
+            emu = active_emulation()
+            if emu is not None and emu.fmt is not None:
+                for o in outs:
+                    mark_low_precision(o)
         return outs
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
+        with torch._C.DisableTorchFunction():
+            return Rescale._backward(ctx, *grads)
+
+    @staticmethod
+    def _backward(ctx, *grads):
         point, state = ctx.point, ctx.state
         k = point.index
         present = [i for i, g in enumerate(grads) if g is not None]
         if not present:
             return (None, None, *grads)
-        alphas = [state.read_alpha(point.in_slots[i], point.name) for i in present]
-        if state.recompute or state.branch_factors[k] is None:
-            a = torch.stack([x.float().reshape(()) for x in alphas])
-            m = torch.stack([_max_abs(grads[i]).float() for i in present])
-            if state.reduce_fn is not None:
-                m = state.reduce_fn(None, m)[1]
-            common = branch_loss_scale(a, m, state.u_max)
-            factors = common / a
-            state.branch_alpha[k] = common
-            full = torch.ones(len(grads), dtype=factors.dtype, device=factors.device)
-            full[present] = factors
-            state.branch_factors[k] = full
-            state.branch_rescaled[k] = (a != common).any()
-            out = list(grads)
-            for j, i in enumerate(present):
-                out[i] = grads[i] * factors[j].to(grads[i].dtype)
+        factors: list[Any]
+        if state.host:
+            common = state.branch_alpha_host[k]
+            host = state.branch_factors_host[k]
+            factors = [host[i] for i in present]
         else:
-            common = state.branch_alpha[k]
-            host = state.branch_factors_host[k] if state.branch_factors_host is not None else None
-            out = list(grads)
-            for i in present:
-                f = host[i] if host is not None else None
-                if f != 1.0:
-                    factor = f if f is not None else state.branch_factors[k][i].to(grads[i].dtype)
-                    out[i] = grads[i] * factor
+            alphas = [state.read_alpha(point.in_slots[i], point.name) for i in present]
+            if state.recompute or state.branch_factors[k] is None:
+                a = torch.stack([x.float().reshape(()) for x in alphas])
+                if len(present) == 1:
+                    m = _max_abs(grads[present[0]]).float().reshape(1)
+                else:
+                    bounds = [b for i in present for b in torch.aminmax(grads[i])]
+                    m = torch.stack(bounds).float().abs_().view(len(present), 2).amax(dim=1)
+                if state.reduce_fn is not None:
+                    m = state.reduce_fn(None, m)[1]
+                common = branch_loss_scale(a, m, state.u_max)
+                vec = common / a
+                state.branch_alpha[k] = common
+                state.branch_rescaled[k] = (a, common)
+                if len(present) == len(grads):
+                    state.branch_factors[k] = vec
+                else:
+                    full = torch.ones(len(grads), dtype=vec.dtype, device=vec.device)
+                    full[present] = vec
+                    state.branch_factors[k] = full
+            else:
+                common = state.branch_alpha[k]
+                vec = state.branch_factors[k]
+                if len(present) != len(grads):
+                    vec = vec[present]
+            factors = list(vec.unbind(0))
         state.alpha[point.out_slot] = common
+        # A gradient made by a GEMM point feeding this branch directly is ours to write into.
+        owned = None
+        if state.fresh:
+            for i in range(len(grads)):
+                t = state.fresh.pop((k, i), None)
+                if owned is None and t is not None and t is grads[i]:
+                    owned = i
+        factor = dict(zip(present, factors, strict=True))
+        out: list[torch.Tensor | None] = list(grads)
+        if ctx.shared:
+            order = present if owned is None else [owned, *(i for i in present if i != owned)]
+            total, fresh, start = None, False, 0
+            if owned is not None:
+                total, fresh, start = grads[owned], True, 1
+                f = factor[owned]
+                if not _is_one(f):
+                    nxt = order[1] if len(order) > 1 else None
+                    if nxt is not None and _is_one(factor[nxt]):  # one pass: grads[nxt] + f * total
+                        total = torch.add(grads[nxt], total, alpha=f, out=total)
+                        start = 2
+                    else:
+                        total = total.mul_(f)
+            for i in order[start:]:
+                total, fresh = _accumulate(total, fresh, grads[i], factor[i])
+            for i in present:
+                out[i] = None
+            out[order[0]] = total
+        else:
+            for i in present:
+                f = factor[i]
+                if not _is_one(f):
+                    out[i] = grads[i].mul_(f) if i == owned else grads[i] * f
         return (None, None, *out)
+
+
+def _is_one(factor: torch.Tensor | float) -> bool:
+    """Whether ``factor`` is known on the host to be exactly 1 (a device tensor never is)."""
+    return isinstance(factor, float) and factor == 1.0
+
+
+def _accumulate(
+    total: torch.Tensor | None, fresh: bool, grad: torch.Tensor, factor: torch.Tensor | float
+) -> tuple[torch.Tensor, bool]:
+    """``total + factor * grad`` in one pass (``total`` is None for the first term); never writes ``grad``.
+
+    ``fresh`` says whether ``total`` was made here (then it is updated in place). ``factor`` is a power of
+    two, so ``factor * grad`` is exact and the fused op rounds once, as a separate multiply and add would.
+    Returns the new total and whether it is fresh.
+    """
+    if isinstance(factor, float):
+        if total is None:
+            return (grad, False) if factor == 1.0 else (grad * factor, True)
+        if fresh:
+            return total.add_(grad, alpha=factor), True
+        return torch.add(total, grad, alpha=factor), True
+    if total is None:
+        return grad * factor, True
+    if fresh:
+        return total.addcmul_(grad, factor), True
+    return torch.addcmul(total, grad, factor), True

@@ -87,7 +87,9 @@ class AdaptiveGEMM(nn.Module):
         if self.pad_mode != "zeros":
             x = F.pad(x, self.layer._reversed_padding_repeated_twice, mode=self.pad_mode)
         point = self.state.gemms[point_index]
-        return ScaledGEMM.apply(x, self.weight, self.bias, point, self.state, self.spec)
+        return ScaledGEMM.apply(
+            x, self.weight, self.bias, point, self.state, self.spec, torch.is_grad_enabled()
+        )
 
     def extra_repr(self) -> str:
         return f"{self.layer_type}({self.layer.extra_repr()}), adaptive loss scaling"
@@ -275,6 +277,18 @@ def attach_adaptive(model: nn.Module, state: AdaptiveState) -> fx.GraphModule:
         slot[node] = slots.pop() if slots else None
     for node, point in gemm_nodes.items():
         point.in_slot = slot.get(node) if slot.get(node) is not None else 0
+    # GEMM calls whose input is directly one alias of a shared-value branch (and nothing else reads that
+    # alias): their input gradient reaches the branch's backward unshared, so it may accumulate into it.
+    for node, point in gemm_nodes.items():
+        src = node.args[0]
+        if not (isinstance(src, fx.Node) and src.op == "call_function" and src.target is operator.getitem):
+            continue
+        branch = src.args[0]
+        if branch not in branch_nodes or len(src.users) != 1:
+            continue
+        if _get_attr(gm, node.target).pad_mode != "zeros":
+            continue  # F.pad sits between the alias and the GEMM
+        point.feeds = (branch_nodes[branch].index, src.args[1])
 
     # Parameters of non-GEMM ops are scaled by the alpha of their op's output gradient.
     gemm_params = {id(p) for w in wrappers.values() for p in w.parameters()}

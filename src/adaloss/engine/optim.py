@@ -9,6 +9,8 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
+from adaloss.errors import ConfigError
+
 
 def build_optimizer(cfg: Any, model: nn.Module) -> torch.optim.SGD:
     """SGD with momentum over every parameter of ``model``.
@@ -27,10 +29,12 @@ def build_optimizer(cfg: Any, model: nn.Module) -> torch.optim.SGD:
 
 
 class MultiStepWithWarmup:
-    """The lr multiplier after ``update`` applied updates: a constant warm-up, then step decay.
+    """The lr multiplier after ``update`` applied updates: a warm-up, then step decay.
 
     Milestones and warm-up are fractions of ``length`` (the iterations this run does), rounded to whole
-    updates: with ``length=64000``, milestones ``[0.5, 0.75]`` decay after updates 32000 and 48000. A plain
+    updates: with ``length=64000``, milestones ``[0.5, 0.75]`` decay after updates 32000 and 48000. The
+    warm-up holds the multiplier at ``warmup_factor`` (``warmup="constant"``, He et al.'s ResNet-110 trick)
+    or ramps it linearly from ``warmup_factor`` to 1 (``warmup="linear"``, as detection recipes do). A plain
     class rather than a lambda so ``LambdaLR.state_dict()`` records it.
     """
 
@@ -41,14 +45,20 @@ class MultiStepWithWarmup:
         gamma: float,
         warmup_fraction: float = 0.0,
         warmup_factor: float = 0.1,
+        warmup: str = "constant",
     ) -> None:
+        if warmup not in ("constant", "linear"):
+            raise ConfigError(f"schedule.warmup must be 'constant' or 'linear', got '{warmup}'")
         self.milestones = [round(float(m) * length) for m in milestones]
         self.gamma = float(gamma)
         self.warmup_steps = round(float(warmup_fraction) * length)
         self.warmup_factor = float(warmup_factor)
+        self.linear = warmup == "linear"
 
     def __call__(self, update: int) -> float:
         if update < self.warmup_steps:
+            if self.linear:
+                return self.warmup_factor + (1.0 - self.warmup_factor) * update / self.warmup_steps
             return self.warmup_factor
         return self.gamma ** bisect_right(self.milestones, update)
 
@@ -65,5 +75,6 @@ def build_schedule(cfg: Any, optimizer: torch.optim.Optimizer, length: int) -> L
         float(cfg.gamma),
         float(cfg.get("warmup_fraction", 0.0)),
         float(cfg.get("warmup_factor", 0.1)),
+        str(cfg.get("warmup", "constant")),
     )
     return LambdaLR(optimizer, lr_lambda=rule)

@@ -6,9 +6,9 @@ import json
 import math
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 
 def _jsonable(value: Any) -> Any:
@@ -24,23 +24,54 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def write_json_atomic(path: str | os.PathLike[str], data: Mapping[str, Any]) -> Path:
-    """Write ``data`` as JSON to ``path`` atomically: a temporary file in its folder, then ``os.replace``.
+def write_atomic(path: str | os.PathLike[str], write: Callable[[BinaryIO], None]) -> Path:
+    """Create ``path`` atomically: ``write(handle)`` fills a temporary file in the same folder, which is
+    fsynced, given a normal file's mode and renamed over ``path``; the folder is fsynced after the rename.
 
-    A crash mid-write leaves either the old file or none, never a truncated one, so the presence of
-    ``metrics.json`` can mark a finished run (as DomainBed's ``done`` file does). Cost: one fsync.
+    A crash at any point leaves either the old file (or none) or the complete new one under ``path``, never a
+    truncated one (at most a ``.<name>.*.tmp`` leftover). Cost: one fsync of the file and one of the folder.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(_jsonable(data), f, indent=2, allow_nan=False)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it owner-only
+        with os.fdopen(fd, "wb") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    _fsync_dir(path.parent)
     return path
+
+
+def write_json_atomic(path: str | os.PathLike[str], data: Mapping[str, Any]) -> Path:
+    """Write ``data`` as JSON to ``path`` atomically (:func:`write_atomic`).
+
+    The presence of ``metrics.json`` can then mark a finished run (as DomainBed's ``done`` file does).
+    """
+    text = json.dumps(_jsonable(data), indent=2, allow_nan=False) + "\n"
+    return write_atomic(path, lambda handle: handle.write(text.encode("utf-8")))
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make a rename in ``folder`` durable (POSIX); a no-op where folders cannot be opened (Windows)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -44,18 +44,18 @@ class ProgressBar:
     def show(
         self,
         loss: float,
-        accuracy: float,
+        accuracy: float | None,
         scale: float | dict[str, float] | None,
         images_per_s: float,
     ) -> None:
-        """Replace the postfix: train loss, train accuracy (%), loss scale, throughput."""
-        self._bar.set_postfix(
-            loss=f"{loss:.3f}",
-            acc=f"{accuracy:.1f}%",
-            scale=format_scale(scale),
-            img_s=f"{images_per_s:.0f}",
-            refresh=False,
-        )
+        """Replace the postfix: train loss, train accuracy (%; None for tasks without one, such as
+        detection), loss scale, throughput."""
+        postfix = {"loss": f"{loss:.3f}"}
+        if accuracy is not None:
+            postfix["acc"] = f"{accuracy:.1f}%"
+        postfix["scale"] = format_scale(scale)
+        postfix["img_s"] = f"{images_per_s:.0f}"
+        self._bar.set_postfix(postfix, refresh=False)
 
     def close(self) -> None:
         self._bar.close()

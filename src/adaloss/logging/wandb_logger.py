@@ -28,6 +28,9 @@ __all__ = ["Logger", "NullLogger", "WandbLogger", "build_logger"]
 class Logger(Protocol):
     """What the trainer calls. Every method is cheap on the caller's side (values are already host floats)."""
 
+    @property
+    def run_id(self) -> str | None: ...
+
     def log(self, metrics: Mapping[str, Any], step: int) -> None: ...
 
     def log_underflow(self, rates: Mapping[str, float], step: int) -> None: ...
@@ -37,6 +40,8 @@ class Logger(Protocol):
 
 class NullLogger:
     """``logger=none``: accepts everything, records nothing."""
+
+    run_id: str | None = None
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         pass
@@ -87,6 +92,10 @@ class WandbLogger:
         mode (str, optional, default="offline"): ``offline``, ``online`` or ``disabled``.
         name, group, entity (str, optional): run name, group (runs of one comparison), team/user.
         tags (list of str, optional): run tags.
+        run_id (str, optional): continue the W&B run with this id (``wandb.init(id=..., resume="allow")``),
+            as a run resumed from a checkpoint does; the checkpoint stores :attr:`run_id`. Steps logged again
+            (those between the checkpoint and the interruption) are below the W&B run's current step, so
+            W&B drops them with a warning and keeps the values the interrupted run logged.
     """
 
     def __init__(
@@ -99,6 +108,7 @@ class WandbLogger:
         group: str | None = None,
         tags: list[str] | None = None,
         entity: str | None = None,
+        run_id: str | None = None,
     ) -> None:
         self._run: Any = None
         self._wandb: Any = None
@@ -138,6 +148,7 @@ class WandbLogger:
                 config=dict(config),
                 dir=str(run_dir),
                 settings=settings,
+                **({"id": run_id, "resume": "allow"} if run_id else {}),
             )
             self._wandb = wandb
         except Exception as error:  # noqa: BLE001 - any W&B failure must leave training running
@@ -147,6 +158,11 @@ class WandbLogger:
     def active(self) -> bool:
         """Whether a W&B run is recording (False after a failure)."""
         return self._run is not None
+
+    @property
+    def run_id(self) -> str | None:
+        """The W&B run's id (stored in checkpoints, so a resumed run continues this run), if recording."""
+        return None if self._run is None else str(self._run.id)
 
     @property
     def run_path(self) -> Path | None:
@@ -213,11 +229,14 @@ class WandbLogger:
             self._env.restore()
 
 
-def build_logger(cfg_logger: Any, run_dir: Path, config: Mapping[str, Any]) -> Logger:
+def build_logger(
+    cfg_logger: Any, run_dir: Path, config: Mapping[str, Any], run_id: str | None = None
+) -> Logger:
     """The logger the ``logger`` config group asks for: W&B when ``logger.wandb`` is set, else a no-op.
 
-    ``config`` is the resolved run config W&B stores with the run. Never raises for W&B trouble; see the
-    module docstring. Raises ``ConfigError`` for an unknown ``logger.wandb.mode``.
+    ``config`` is the resolved run config W&B stores with the run; ``run_id`` continues an earlier W&B run
+    (a resumed training run). Never raises for W&B trouble; see the module docstring. Raises
+    ``ConfigError`` for an unknown ``logger.wandb.mode``.
     """
     wb = cfg_logger.get("wandb") if cfg_logger is not None else None
     if not wb:
@@ -236,4 +255,5 @@ def build_logger(cfg_logger: Any, run_dir: Path, config: Mapping[str, Any]) -> L
         group=wb.get("group"),
         tags=[str(t) for t in (wb.get("tags") or [])],
         entity=wb.get("entity"),
+        run_id=run_id,
     )

@@ -32,6 +32,10 @@ the meta device at build time, and default-box centres from the grid (the config
 native size). Below the native size the last extra layers would see inputs smaller than their kernels; their
 padding is then raised just enough for a 1x1 (or, for SSD512's 4x4 conv, 2x2) output, so the number of
 layers, branches and parameters never changes. SSD512 at 128 has maps 16, 8, 4, 2, 1, 1, 2.
+
+CPU runs can also thin the network: ``model.width_multiplier`` (default 1.0, the real SSD) multiplies every
+backbone and extra layer's channel count (0.25: about 16x fewer FLOPs), keeping layer names, feature maps
+and default boxes; pretrained ``backbone_weights`` need the full width.
 """
 
 from __future__ import annotations
@@ -68,6 +72,7 @@ __all__ = [
     "SSDNet",
     "build_detector",
     "load_backbone_weights",
+    "lsuv_init_",
 ]
 
 
@@ -157,6 +162,11 @@ class L2Norm(nn.Module):
         return self.weight.view(1, -1, 1, 1) * F.normalize(x, dim=1, eps=self.eps)
 
 
+def _scaled_channels(channels: int, width_multiplier: float) -> int:
+    """``channels * width_multiplier`` rounded, at least 1 (``model.width_multiplier``, a CPU knob)."""
+    return max(1, round(channels * width_multiplier))
+
+
 def _conv_output(size: int, kernel: int, stride: int, padding: int) -> int:
     return (size + 2 * padding - kernel) // stride + 1
 
@@ -178,26 +188,43 @@ class SSDBackbone(nn.Module):
 
     Initialization: VGG layers conv1_1..conv5_3 as torchvision's VGG (Kaiming normal, fan-out), conv6/conv7
     and the extras Xavier-uniform as torchvision's SSD; all biases zero. ReLUs are not in-place.
+
+    ``width_multiplier`` (default 1.0: the real SSD) is a CPU-only knob: every layer's channel count (the
+    input image's 3 excepted) is multiplied by it and rounded (at least 1), so 0.25 gives 16, 32, 64, 128
+    and 256 channels for VGG's 64 ... 1024 and about 16x fewer FLOPs. Layer names, the number of layers,
+    the feature maps and the default boxes do not change; only ``out_channels`` (and so the head's inputs)
+    follow. Raises ``ConfigError`` for a non-positive or non-finite value.
     """
 
-    def __init__(self, config: SSDConfig, image_size: int) -> None:
+    def __init__(self, config: SSDConfig, image_size: int, width_multiplier: float = 1.0) -> None:
         super().__init__()
+        if isinstance(width_multiplier, bool) or not (
+            isinstance(width_multiplier, int | float)
+            and math.isfinite(width_multiplier)
+            and width_multiplier > 0
+        ):
+            raise ConfigError(f"model.width_multiplier must be a positive number, got {width_multiplier!r}")
+        self.width_multiplier = float(width_multiplier)
+
+        def width(channels: int) -> int:
+            return _scaled_channels(channels, self.width_multiplier)
+
         layers: OrderedDict[str, nn.Module] = OrderedDict()
         for name, cin, cout in _VGG_CONVS:
             stage = name[4:]
-            conv = nn.Conv2d(cin, cout, kernel_size=3, padding=1)
+            conv = nn.Conv2d(cin if name == "conv1_1" else width(cin), width(cout), kernel_size=3, padding=1)
             nn.init.kaiming_normal_(conv.weight, mode="fan_out", nonlinearity="relu")
             layers[name], layers[f"relu{stage}"] = conv, nn.ReLU()
             if name in _POOL_AFTER:
                 pool = _POOL_AFTER[name]
                 layers[pool] = nn.MaxPool2d(kernel_size=2, stride=2, ceil_mode=pool == "pool3")
         layers["pool5"] = nn.MaxPool2d(kernel_size=3, stride=1, padding=1)
-        layers["conv6"] = nn.Conv2d(512, 1024, kernel_size=3, padding=6, dilation=6)
+        layers["conv6"] = nn.Conv2d(width(512), width(1024), kernel_size=3, padding=6, dilation=6)
         layers["relu6"] = nn.ReLU()
-        layers["conv7"] = nn.Conv2d(1024, 1024, kernel_size=1)
+        layers["conv7"] = nn.Conv2d(width(1024), width(1024), kernel_size=1)
         layers["relu7"] = nn.ReLU()
         sources = ["relu4_3", "relu7"]
-        channels, size = 1024, _fc7_size(image_size)
+        channels, size = width(1024), _fc7_size(image_size)
         self.adjusted_padding: dict[str, int] = {}  # extras whose padding was raised for a small input
         for name, mid, out, kernel, stride, padding in config.extras:
             # Smallest padding giving a non-empty output: only differs from the configured one below the
@@ -205,6 +232,7 @@ class SSDBackbone(nn.Module):
             fitted = max(padding, math.ceil((kernel - size) / 2))
             if fitted != padding:
                 self.adjusted_padding[f"{name}_2"] = fitted
+            mid, out = width(mid), width(out)
             layers[f"{name}_1"] = nn.Conv2d(channels, mid, kernel_size=1)
             layers[f"relu{name[4:]}_1"] = nn.ReLU()
             layers[f"{name}_2"] = nn.Conv2d(mid, out, kernel_size=kernel, stride=stride, padding=fitted)
@@ -217,10 +245,10 @@ class SSDBackbone(nn.Module):
                     nn.init.xavier_uniform_(layer.weight)
                 nn.init.zeros_(layer.bias)
             self.add_module(name, layer)
-        self.conv4_3_norm = L2Norm(512)
+        self.conv4_3_norm = L2Norm(width(512))
         self._layer_names = tuple(layers)
         self._sources = frozenset(sources)
-        self.out_channels = [512, 1024] + [out for _, _, out, _, _, _ in config.extras]
+        self.out_channels = [width(512), width(1024)] + [width(out) for _, _, out, _, _, _ in config.extras]
 
     def forward(self, x: Tensor) -> list[Tensor]:
         features: list[Tensor] = []
@@ -495,6 +523,53 @@ def load_backbone_weights(backbone: SSDBackbone, path: str | Path) -> list[str]:
     return sorted(mapped)
 
 
+# ------------------------------------------------------------------------------------ from-scratch init
+
+
+@torch.no_grad()
+def lsuv_init_(
+    backbone: SSDBackbone, images: Tensor, target_std: float = 1.0, max_iters: int = 5, tol: float = 0.02
+) -> dict[str, float]:
+    """Layer-sequential unit-variance init (Mishkin & Matas 2016) of ``backbone``'s convolutions, in place.
+
+    For a CPU run from scratch (no pretrained VGG): in layer order, each conv's weight is rescaled until its
+    (pre-ReLU) output on ``images`` has standard deviation ``target_std``. Without it, the small-input maps
+    shrink by orders of magnitude from conv6 on (conv6's dilated taps and the extras' 3x3 kernels mostly see
+    padding), so the deeper heads get almost no gradient. Call once, before training, on one training batch.
+    Returns each conv's final output std. Cost: about ``max_iters`` forward passes per conv on ``images``.
+    """
+    stds: dict[str, float] = {}
+    seen: list[Tensor] = []
+
+    def record(_module: nn.Module, _inputs: Any, output: Tensor) -> None:
+        seen.append(output)
+
+    for name, module in backbone.named_children():
+        if not isinstance(module, nn.Conv2d):
+            continue
+        handle = module.register_forward_hook(record)
+        try:
+            for _ in range(max_iters):
+                seen.clear()
+                backbone(images)
+                std = seen[0].std().item()
+                if std == 0 or not math.isfinite(std) or abs(std - target_std) < tol * target_std:
+                    break
+                module.weight.mul_(target_std / std)
+        finally:
+            handle.remove()
+        stds[name] = std
+    return stds
+
+
+def _background_prior_(head: SSDHead, num_classes: int, prior: float) -> None:
+    """Classification biases so that softmax gives background ``prior`` and the classes the rest evenly."""
+    for conv in head.classification_head.module_list:
+        bias = conv.bias.detach().view(-1, num_classes + 1)
+        bias.zero_()
+        bias[:, 0] = math.log(prior * num_classes / (1 - prior))
+
+
 # --------------------------------------------------------------------------------------------------- build
 
 _MISSING = object()
@@ -540,10 +615,15 @@ def build_detector(cfg: Any, num_classes: int) -> SSDDetector:
     """Build ``ssd300`` or ``ssd512`` for ``num_classes`` object classes (background added), on the CPU.
 
     Fields of ``cfg``: ``name``; ``image_size`` (default: the native 300 / 512; at least 32);
-    ``backbone_weights`` (null for random initialization, or a state-dict file, see
-    :func:`load_backbone_weights`). Raises ``ConfigError`` for invalid fields. Cost: allocating and
-    initializing the weights (26M parameters for SSD300 with 21 classes, 27M for SSD512), a fraction of a
-    second; the feature-map sizes come from a meta-device forward (free).
+    ``width_multiplier`` (default 1.0, the real SSD: a CPU-only knob multiplying the channels of every
+    backbone and extra layer, see :class:`SSDBackbone`); ``backbone_weights`` (null for random
+    initialization, or a state-dict file, see :func:`load_backbone_weights`; only with width 1);
+    ``background_prior`` (default null: torchvision's zero classification biases; e.g. 0.99 sets them so
+    every default box starts at that background probability, which calms the first steps from scratch).
+    Raises
+    ``ConfigError`` for invalid fields. Cost: allocating and initializing the weights (26M parameters for
+    SSD300 with 21 classes, 27M for SSD512), a fraction of a second; the feature-map sizes come from a
+    meta-device forward (free).
     """
     name = str(_field(cfg, "name"))
     if name not in SSD_CONFIGS:
@@ -554,12 +634,23 @@ def build_detector(cfg: Any, num_classes: int) -> SSDDetector:
         raise ConfigError(f"model.image_size must be an integer >= {_MIN_IMAGE_SIZE}, got {image_size!r}")
     if isinstance(num_classes, bool) or int(num_classes) < 1:
         raise ConfigError(f"a detector needs at least one object class, got num_classes={num_classes!r}")
-    backbone = SSDBackbone(config, image_size)
+    width_multiplier = _field(cfg, "width_multiplier", 1.0)
+    backbone = SSDBackbone(config, image_size, width_multiplier)  # validates width_multiplier
     weights = _field(cfg, "backbone_weights", None)
     if weights is not None:
+        if backbone.width_multiplier != 1.0:
+            raise ConfigError(
+                f"model.backbone_weights needs the full-width VGG-16, but model.width_multiplier="
+                f"{width_multiplier}: set model.width_multiplier=1.0 or model.backbone_weights=null"
+            )
         load_backbone_weights(backbone, str(weights))
     num_anchors = [2 + 2 * len(r) for r in config.aspect_ratios]
     head = SSDHead(backbone.out_channels, num_anchors, int(num_classes) + 1)  # Xavier-initialized
+    prior = _field(cfg, "background_prior", None)
+    if prior is not None:
+        if isinstance(prior, bool) or not isinstance(prior, int | float) or not 0 < prior < 1:
+            raise ConfigError(f"model.background_prior must be null or a number in (0, 1), got {prior!r}")
+        _background_prior_(head, int(num_classes), float(prior))
     grids = feature_map_sizes(backbone, image_size)
     anchors = default_boxes(config, image_size, grids)
     return SSDDetector(SSDNet(backbone, head), anchors, image_size, int(num_classes))

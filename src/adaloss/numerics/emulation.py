@@ -33,6 +33,7 @@ Cost: one rounding pass (two casts) per stored tensor and a small Python overhea
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -252,15 +253,21 @@ class Probe:
     """Counts activation-gradient underflow for one layer: elements non-zero before rounding, zero after.
 
     Counts accumulate as device tensors (no host sync); the monitor reads them once per telemetry step.
+    With ``quantile`` set, the probe also keeps the ``ceil(quantile * n)``-th smallest non-zero ``|g|`` of
+    the ``n`` non-zero gradient elements (the smallest over repeated calls of the layer): the inverse is
+    the layer's *expected loss scale* of the paper's Figure 1b. Cost: a selection of the non-zero elements
+    and one ``kthvalue`` per call (a host sync on CUDA, for the data-dependent size): telemetry steps only.
     """
 
-    __slots__ = ("fmt", "underflow", "numel", "nonzero")
+    __slots__ = ("fmt", "underflow", "numel", "nonzero", "quantile", "kth")
 
-    def __init__(self, fmt: FloatFormat) -> None:
+    def __init__(self, fmt: FloatFormat, quantile: float | None = None) -> None:
         self.fmt = fmt
         self.underflow: torch.Tensor | None = None
         self.nonzero: torch.Tensor | None = None
         self.numel = 0
+        self.quantile = quantile
+        self.kth: torch.Tensor | None = None
 
     def record(self, grad: torch.Tensor, rounded: torch.Tensor | None = None) -> None:
         if rounded is None:
@@ -271,6 +278,12 @@ class Probe:
         self.underflow = lost if self.underflow is None else self.underflow + lost
         self.nonzero = nzc if self.nonzero is None else self.nonzero + nzc
         self.numel += grad.numel()
+        if self.quantile is not None:
+            magnitudes = grad.detach().abs()[nz].float()
+            if magnitudes.numel() > 0:
+                k = max(1, math.ceil(self.quantile * magnitudes.numel()))
+                kth = magnitudes.kthvalue(k).values
+                self.kth = kth if self.kth is None else torch.minimum(self.kth, kth)
 
 
 class _Round(torch.autograd.Function):

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from adaloss.errors import ConfigError
-from adaloss.scalers.base import LossScaler, OptState
+from adaloss.scalers.base import LossScaler, OptState, number_in_range, positive_int, positive_number
 from adaloss.scalers.dynamic import DynamicLossScaler
 from adaloss.scalers.static import FixedLossScaler, NoLossScaler
 
@@ -82,6 +82,15 @@ def build_scaler(cfg: Mapping[str, Any], fmt: FloatFormat | None = None) -> Loss
 
 
 def _build_adaptive(cfg: Mapping[str, Any], fmt: FloatFormat | None) -> LossScaler:
+    # The command-line fields first, with messages that give an example value (the class checks them too).
+    if cfg.get("t_uf") is not None:
+        number_in_range(cfg["t_uf"], "scaler.t_uf", 0.0, 1.0, "between 0 and 1 (exclusive)", "1e-3")
+    if cfg.get("update_every") is not None:
+        positive_int(cfg["update_every"], "scaler.update_every", "100")
+    if cfg.get("growth_interval") is not None:
+        positive_int(cfg["growth_interval"], "scaler.growth_interval", "2000")
+    if cfg.get("init_scale") is not None:
+        positive_number(cfg["init_scale"], "scaler.init_scale", "1")
     # Imported lazily: the adaptive scaler pulls in torch.fx machinery the other scalers do not need.
     try:
         from adaloss.scalers.adaptive import AdaptiveLossScaler

@@ -14,7 +14,7 @@ from adaloss.adaptive.ops import AdaptiveState
 from adaloss.adaptive.transform import attach_adaptive
 from adaloss.errors import ConfigError
 from adaloss.numerics.formats import FloatFormat, get_format
-from adaloss.scalers.base import LossScaler
+from adaloss.scalers.base import LossScaler, distributed_world_size
 
 __all__ = ["AdaptiveLossScaler"]
 
@@ -50,13 +50,43 @@ class AdaptiveLossScaler(LossScaler):
     an overflow. In between, each layer reuses its beta (the paper uses 100 to cut the statistics' cost from
     27% to 0.27% of training time). If a recomputed step overflows again, the initial scale
     ``alpha_{N+1}`` is halved; after ``growth_interval`` clean steps it doubles back, never above
-    ``init_scale``.
+    ``init_scale``. After each recompute step (with ``update_every > 1``) the betas, branch factors and
+    branch alphas are copied to the host in one sync, and the steps in between run on those floats (see
+    :mod:`adaloss.adaptive.ops` for where the remaining time goes). Under gradient accumulation every
+    ``scale()`` of one iteration uses the betas of its first backward pass.
 
     Where gradients are unscaled: conv/linear weight and bias gradients during the backward pass, per call of
     the layer (so a layer used twice gets each contribution unscaled by its own alpha); gradients of other
     parameters (batch-norm affine weights, ...) in ``unscale_``, by the alpha of their op's output gradient.
     Parameters outside the attached model are assumed to get their gradient through the loss and are
     unscaled by ``alpha_{N+1}``.
+
+    Distributed data parallel (``torch.distributed`` initialized, world size > 1): call ``attach`` on every
+    rank after ``init_process_group`` and wrap the *returned* module in DDP
+    (``adaloss.distributed.wrap_model(scaler.attach(model), info)``).
+
+    * Identical scales on every rank: on recompute steps each GEMM point all-gathers its incoming gradient's
+      second moment and max magnitude (mean and max over ranks) before computing beta, and each branch
+      point all-reduces its inputs' maxima; so every rank computes the same betas, branch factors and
+      alphas, bitwise. Cost: one two-float collective per GEMM point and one per branch point, on recompute
+      steps only (none on reuse steps), on a process group of its own created by ``attach`` (so their order
+      relative to DDP's bucket all-reduces, issued from the same backward pass, cannot matter). With NCCL
+      they are queued on the device and add no host sync. The found-Inf flag is all-reduced like every
+      scaler's (see ``LossScaler.unscale_``), so all ranks skip the same steps and change ``alpha_{N+1}``
+      alike.
+    * DDP's gradient all-reduce fires when a parameter's gradient has been accumulated, i.e. on what this
+      scaler's backward pass produced. For conv/linear parameters that is already the true gradient
+      (divided by the layer's alpha inside the backward pass), so DDP averages true gradients. Other
+      parameters' gradients (batch-norm affine, ...) reach DDP still multiplied by their op's alpha and are
+      divided in ``unscale_`` after DDP has averaged them; that is exact because that alpha is the same
+      power of two on every rank. Either way the optimizer sees the averaged true gradient.
+    * Relation to one process on the combined batch: each rank backpropagates the mean loss over its own
+      ``1/W`` of the batch, so its gradients are ``W`` times the single process's. The combined statistics
+      are therefore exactly those of a single process run with ``init_scale * W``, and each rank's alphas
+      are that run's alphas divided by ``W`` (so ``layer_scales()`` may differ from those of a single process
+      with the same ``init_scale``). The weights match the single process within rounding. The mean of
+      per-rank second moments is the global one when all ranks hold equally many samples, as
+      ``DistributedSampler`` arranges.
 
     Args:
         t_uf (float, optional, default=1e-3): the tolerated underflow probability per layer (``T_uf``); the
@@ -117,6 +147,7 @@ class AdaptiveLossScaler(LossScaler):
         self._clean_steps = 0
         self._pending: dict[str, Any] | None = None
         self._param_names: dict[int, str] = {}
+        self._gemm_param_ids: set[int] = set()
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any], fmt: FloatFormat | None) -> AdaptiveLossScaler:
@@ -161,8 +192,10 @@ class AdaptiveLossScaler(LossScaler):
         if self.state is not None:
             raise RuntimeError("attach() was already called on this scaler; use one scaler per model")
         state = AdaptiveState(self.u_min, self.u_max, self.t_uf, self.allow_below_one)
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            state.reduce_fn = _all_reduce_statistics
+        if distributed_world_size() > 1:
+            # A group of its own: these collectives are issued from inside the backward pass, interleaved
+            # with DDP's bucket all-reduces; on a separate communicator their relative order cannot matter.
+            state.reduce_fn = _StatisticsReducer(torch.distributed.new_group())
         gm = attach_adaptive(model, state)
         self.state = state
         self._gemm_param_ids = {
@@ -193,7 +226,7 @@ class AdaptiveLossScaler(LossScaler):
             recompute = self._recomputing
         else:
             recompute = False
-        self.state.start_backward(self._scale_tensor(device), recompute)
+        self.state.start_backward(self._scale_tensor(device), recompute, root_host=self._loss_scale)
         return super().scale(outputs)
 
     def _unscale_grads_(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
@@ -215,15 +248,26 @@ class AdaptiveLossScaler(LossScaler):
                 else:
                     slot = state.param_slot_by_id.get(id(p), 0) if state is not None else 0
                 groups[(slot, grad.device, grad.dtype)].append(grad)
+        if state is not None and state.host:
+            # Host alphas (a reuse step): group by alpha value rather than slot, so parameters whose
+            # gradients carry the same power of two share one pass.
+            merged: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+            for (slot, device, dtype), grads in groups.items():
+                value = 1.0 if slot is None or state.alpha[slot] is None else float(state.alpha[slot])
+                merged[(value, device, dtype)].extend(grads)
+            groups = merged
         found: dict[torch.device, torch.Tensor] = {}
         with torch.no_grad():
-            for (slot, device, _), grads in groups.items():
+            for (key, device, _), grads in groups.items():
                 flag = found.setdefault(device, torch.zeros((), dtype=torch.float32, device=device))
-                alpha = state.alpha[slot] if (state is not None and slot is not None) else None
-                if alpha is None:
-                    inv = torch.ones((), dtype=torch.float32, device=device)
+                if isinstance(key, float):  # a host alpha
+                    inv = torch.full((), 1.0 / key, dtype=torch.float32, device=device)
                 else:
-                    inv = (1.0 / alpha.float()).to(device).reshape(())
+                    alpha = state.alpha[key] if (state is not None and key is not None) else None
+                    if alpha is None:
+                        inv = torch.ones((), dtype=torch.float32, device=device)
+                    else:
+                        inv = (1.0 / alpha.float()).to(device).reshape(())
                 torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv)
         if not found:
             return torch.zeros((), dtype=torch.float32, device=self._last_device or "cpu")
@@ -245,8 +289,7 @@ class AdaptiveLossScaler(LossScaler):
             if self._consecutive_overflows >= 2:
                 self._set_loss_scale(max(self._loss_scale / 2.0, 2.0**-24))
             if state is not None:
-                state.beta_host = None
-                state.branch_factors_host = None
+                state.drop_host_copies()
             return
         self._force_recompute = False
         self._consecutive_overflows = 0
@@ -262,6 +305,7 @@ class AdaptiveLossScaler(LossScaler):
         state = self.state
         values = [b for b in state.beta if b is not None]
         values += [f for f in state.branch_factors if f is not None]
+        values += [a for a in state.branch_alpha if a is not None]
         if not values:
             return
         device = values[0].device
@@ -271,12 +315,14 @@ class AdaptiveLossScaler(LossScaler):
         state.branch_factors_host = [
             [next(it) for _ in range(f.numel())] if f is not None else None for f in state.branch_factors
         ]
+        state.branch_alpha_host = [next(it) if a is not None else None for a in state.branch_alpha]
 
     # ------------------------------------------------------------------ telemetry
 
     def layer_scales(self) -> dict[str, float]:
         """``{layer: alpha}``: the accumulated scale each conv/linear layer's gradient carried in the last
-        backward pass (the scale its weight gradient was divided by). One host sync."""
+        backward pass (the scale its weight gradient was divided by). One host sync (none after a reuse
+        step, whose alphas are host floats)."""
         return self._per_layer(lambda p: self.state.alpha[p.in_slot])
 
     def layer_betas(self) -> dict[str, float]:
@@ -288,7 +334,8 @@ class AdaptiveLossScaler(LossScaler):
         if self.state is None:
             return {}
         out = {}
-        for point, flag in zip(self.state.branches, self.state.branch_rescaled, strict=True):
+        for point in self.state.branches:
+            flag = self.state.rescaled(point.index)
             if flag is not None:
                 out[point.name] = bool(flag.item())
         return out
@@ -305,10 +352,12 @@ class AdaptiveLossScaler(LossScaler):
             v = pick(point)
             if v is not None:
                 names.append(point.name)
-                values.append(v.float().reshape(()))
-        if not values:
-            return {}
-        host = torch.stack([v.to(values[0].device) for v in values]).cpu().tolist()
+                values.append(v)
+        tensors = [v.float().reshape(()) for v in values if isinstance(v, torch.Tensor)]
+        if not tensors:  # nothing, or host floats only (a reuse step): no sync
+            return {n: float(v) for n, v in zip(names, values, strict=True)}
+        it = iter(torch.stack([t.to(tensors[0].device) for t in tensors]).cpu().tolist())
+        host = [next(it) if isinstance(v, torch.Tensor) else float(v) for v in values]
         return dict(zip(names, host, strict=True))
 
     # ------------------------------------------------------------------ checkpointing
@@ -390,6 +439,8 @@ class AdaptiveLossScaler(LossScaler):
         state.branch_factors = [dev(f) for f in saved["branch_factors"]]
         state.beta_host = saved["beta_host"]
         state.branch_factors_host = saved["branch_factors_host"]
+        # The host branch alphas are the device ones, which the checkpoint holds as floats.
+        state.branch_alpha_host = list(saved["branch_alphas"]) if saved["beta_host"] is not None else None
 
 
 def _first_tensor(value: Any) -> torch.Tensor:
@@ -400,17 +451,31 @@ def _first_tensor(value: Any) -> torch.Tensor:
     raise TypeError(f"scale() takes a Tensor or a (nested) list/tuple of Tensors, got {type(value).__name__}")
 
 
-def _all_reduce_statistics(second_moment: torch.Tensor | None, max_abs: torch.Tensor):
-    """Average the gradient's second moment and take the max of its magnitude over all ranks."""
-    import torch.distributed as dist
+class _StatisticsReducer:
+    """``reduce_fn`` of :class:`AdaptiveState` under ``torch.distributed``: combine statistics over ranks.
 
-    if second_moment is not None:
-        second_moment = second_moment.clone()
-        dist.all_reduce(second_moment, op=dist.ReduceOp.SUM)
-        second_moment = second_moment / dist.get_world_size()
-    max_abs = max_abs.clone()
-    dist.all_reduce(max_abs, op=dist.ReduceOp.MAX)
-    return second_moment, max_abs
+    ``(second_moment, max_abs) -> (mean over ranks, max over ranks)``: the second moment of the gradient
+    spread over all ranks (every rank holds the same number of elements, so the mean of the per-rank means
+    is the global mean) and its global max magnitude. One ``all_gather_into_tensor`` of two numbers per
+    GEMM point (a branch point: one ``all_reduce`` MAX of its per-input maxima), on the device, no host
+    sync; every rank combines the gathered values in the same order, so all get bitwise identical results.
+    """
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.world_size = torch.distributed.get_world_size(group)
+
+    def __call__(self, second_moment: torch.Tensor | None, max_abs: torch.Tensor):
+        dist = torch.distributed
+        if second_moment is None:
+            max_abs = max_abs.clone()
+            dist.all_reduce(max_abs, op=dist.ReduceOp.MAX, group=self.group)
+            return None, max_abs
+        mine = torch.stack([second_moment.reshape(()), max_abs.reshape(()).to(second_moment.dtype)])
+        gathered = mine.new_empty(self.world_size * 2)
+        dist.all_gather_into_tensor(gathered, mine, group=self.group)
+        gathered = gathered.view(self.world_size, 2)
+        return gathered[:, 0].sum() / self.world_size, gathered[:, 1].amax().to(max_abs.dtype)
 
 
 def _number(value: Any, field: str) -> float:

@@ -9,6 +9,11 @@ The scalar loss scale is kept on the host as a Python float. ``step()`` must rea
 anyway (to decide whether to call ``optimizer.step()``), so updating the scale on the host costs nothing more,
 and plain Python makes hysteresis and clamping easy to read. The device only ever sees a cached 0-dim copy of
 the scale, made without a host-device sync.
+
+Distributed data parallel: when ``torch.distributed`` is initialized with more than one rank, the found-inf
+flag is all-reduced (MAX) before ``step()`` reads it (:func:`reduce_found_inf`), so every rank skips the same
+steps and, since the scale is updated from that flag alone, every rank keeps the same scale. The cost is one
+one-float collective per optimizer per iteration and no extra host sync.
 """
 
 from __future__ import annotations
@@ -162,6 +167,13 @@ class LossScaler:
         .. note::
             Does not synchronize host and device: the Inf/NaN flag stays on the device until ``step()``.
 
+        .. note::
+            Under ``torch.distributed`` (initialized, world size > 1) the flag is all-reduced (MAX) over the
+            default process group here, so every rank skips the same steps and updates its scale alike:
+            one collective of one float per optimizer per iteration, issued on the device tensor (no host
+            sync of its own; with gloo on the CPU it blocks until every rank has unscaled). Every rank must
+            therefore call ``unscale_``/``step`` for the same optimizers in the same order.
+
         Raises:
             RuntimeError: if called twice for ``optimizer`` before ``update()``, or after ``step()``.
         """
@@ -177,7 +189,7 @@ class LossScaler:
                 "unscale_() was called after step() on this optimizer; call update() to finish the iteration "
                 "before unscaling the next one's gradients."
             )
-        record.found_inf = self._unscale_grads_(optimizer)
+        record.found_inf = reduce_found_inf(self._unscale_grads_(optimizer))
         record.stage = OptState.UNSCALED
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -191,6 +203,8 @@ class LossScaler:
 
         .. note::
             Synchronizes host and device once, to read the Inf/NaN flag (as ``GradScaler.step`` does).
+            Under ``torch.distributed`` that flag has already been all-reduced across ranks (see
+            ``unscale_``), so a step is skipped on every rank or on none.
 
         .. note::
             Closures are not supported. Optimizers that can unscale inside a fused kernel
@@ -433,6 +447,27 @@ class LossScaler:
 
 
 # ---------------------------------------------------------------------- shared helpers
+
+
+def distributed_world_size() -> int:
+    """The default process group's world size, or 1 when ``torch.distributed`` is absent or uninitialized."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size()
+
+
+def reduce_found_inf(found_inf: torch.Tensor) -> torch.Tensor:
+    """All-reduce (MAX) a 0-dim found-inf flag over the default process group; identity on one process.
+
+    Called on the device tensor before anyone reads it, so it adds no host sync: with NCCL the collective
+    is queued on the device; with gloo (CPU tensors) it returns once every rank has contributed. Cost: one
+    collective of one float. A rank that found no Inf/NaN still learns of another rank's, so all ranks skip
+    the same steps and keep identical scales.
+    """
+    if distributed_world_size() > 1:
+        torch.distributed.all_reduce(found_inf, op=torch.distributed.ReduceOp.MAX)
+    return found_inf
 
 
 def to_float32(value: float) -> float:

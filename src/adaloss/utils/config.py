@@ -1,8 +1,11 @@
-"""Checks on the composed config that no single module owns, and the schedule length they imply.
+"""Checks on the composed config, and the schedule length they imply.
 
-The group builders (models, data, scalers, precision) validate their own fields; what is left here is the
-``trainer``, ``optimizer`` and ``schedule`` values the engine reads, so a typo fails with one line before
-any data is loaded rather than deep inside the loop.
+``validate_config`` is called before anything is built or loaded, so a typo fails with one line that names
+the problem and the fix (a :class:`ConfigError`) rather than deep inside the loop or with a traceback. It
+checks the ``trainer``, ``optimizer``, ``schedule``, ``telemetry``, ``seed`` and ``device`` values the engine
+reads, that every ``${...}`` interpolation resolves, that the model and dataset exist and suit each other
+(a detector needs a detection dataset, a classifier a classification one), and it runs the precision and
+scaler builders' own checks. Data on disk is checked by the dataset builders, which read it.
 """
 
 from __future__ import annotations
@@ -10,69 +13,219 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from adaloss.errors import ConfigError
 
+#: The config sections the engine reads as mappings (``trainer=3`` would replace one), each with an
+#: example of setting it properly: a field, or a config of its group.
+_SECTION_EXAMPLES = {
+    "trainer": "trainer.batch_size=128",
+    "optimizer": "optimizer.lr=0.1",
+    "schedule": "schedule.gamma=0.1",
+    "telemetry": "telemetry.every=100",
+    "paths": "paths.data_dir=<folder>",
+    "model": "model=resnet20",
+    "dataset": "dataset=cifar10",
+    "scaler": "scaler=dynamic",
+    "precision": "precision=fp16",
+}
+#: Keys whose value only exists inside a launched Hydra job: not resolved here.
+_UNRESOLVED_HERE = frozenset({"hydra", "paths.output_dir"})
 
-def _positive_int(value: Any, key: str, allow_none: bool = False) -> int | None:
+
+def _positive_int(value: Any, key: str, example: Any, allow_none: bool = False) -> int | None:
     if value is None and allow_none:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         hint = " or null" if allow_none else ""
-        raise ConfigError(f"{key} must be a positive integer{hint}, got {value!r}")
+        raise ConfigError(f"{key} must be a positive integer{hint}, got {value!r}; e.g. {key}={example}")
     return value
 
 
-def _number(value: Any, key: str, low: float, high: float = math.inf, low_open: bool = False) -> float:
+def _number(
+    value: Any, key: str, example: Any, low: float, high: float = math.inf, low_open: bool = False
+) -> float:
+    """A real number in ``[low, high]`` (``(low, high]`` with ``low_open``); else a ConfigError."""
     if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
-        raise ConfigError(f"{key} must be a number, got {value!r}")
+        raise ConfigError(f"{key} must be a number, got {value!r}; e.g. {key}={example}")
     too_low = value <= low if low_open else value < low
     if too_low or value > high:
-        bracket = "(" if low_open else "["
-        raise ConfigError(f"{key} must be in {bracket}{low}, {high}], got {value!r}")
+        if high == math.inf:
+            bounds = f"> {low:g}" if low_open else f">= {low:g}"
+        else:
+            bounds = f"in {'(' if low_open else '['}{low:g}, {high:g}]"
+        raise ConfigError(f"{key} must be a number {bounds}, got {value!r}; e.g. {key}={example}")
     return float(value)
 
 
 def validate_config(cfg: DictConfig) -> None:
-    """Raise ``ConfigError`` naming the first invalid trainer/optimizer/schedule value. No side effects."""
-    t = cfg.trainer
-    _positive_int(t.batch_size, "trainer.batch_size")
-    _positive_int(t.eval_batch_size, "trainer.eval_batch_size")
-    _positive_int(t.eval_every, "trainer.eval_every")
-    _positive_int(t.log_every, "trainer.log_every")
-    _positive_int(t.max_steps, "trainer.max_steps", allow_none=True)
+    """Raise ``ConfigError`` naming the first invalid value and its fix. No side effects.
+
+    Cost: one walk over the config, one CUDA availability query, and the imports of
+    the model, data, precision and scaler modules (which the run needs anyway).
+    """
+    _check_sections(cfg)
+    # names before resolving: a mismatched pair may leave ${model.image_size} dangling
+    _check_model_and_dataset(cfg)
+    _check_interpolations(cfg, "")
+    _check_trainer(cfg.trainer)
+    _check_optimizer_and_schedule(cfg)
+    _check_run(cfg)
+
+
+def _check_sections(cfg: DictConfig) -> None:
+    for section in _SECTION_EXAMPLES:
+        node = cfg.get(section)
+        if not isinstance(node, DictConfig):
+            raise ConfigError(
+                f"{section}={node!r} replaces the whole {section} section with a single value: "
+                f"write e.g. {_SECTION_EXAMPLES[section]} instead"
+            )
+
+
+def _check_model_and_dataset(cfg: DictConfig) -> None:
+    """Known names, and a task both agree on (detection or classification). Reads only the names."""
+    # Imported here: these modules pull in torch and torchvision, which `--help` and `--cfg` do not need.
+    from adaloss.data.datasets import DATASET_NAMES
+    from adaloss.data.detection import DETECTION_DATASET_NAMES
+    from adaloss.models import MODEL_NAMES
+    from adaloss.models.ssd import DETECTION_MODEL_NAMES
+
+    model, dataset = _name(cfg.model, "model"), _name(cfg.dataset, "dataset")
+    if model not in MODEL_NAMES + DETECTION_MODEL_NAMES:
+        raise ConfigError(
+            f"unknown model '{model}' (model.name): choose model= one of "
+            f"{', '.join(MODEL_NAMES + DETECTION_MODEL_NAMES)}"
+        )
+    if dataset not in DATASET_NAMES + DETECTION_DATASET_NAMES:
+        raise ConfigError(
+            f"unknown dataset '{dataset}' (dataset.name): choose dataset= one of "
+            f"{', '.join(DATASET_NAMES + DETECTION_DATASET_NAMES)}"
+        )
+    detector, detection_data = model in DETECTION_MODEL_NAMES, dataset in DETECTION_DATASET_NAMES
+    if detector and not detection_data:
+        raise ConfigError(
+            f"model={model} is a detector but dataset={dataset} is a classification dataset: use a detection "
+            f"dataset (dataset={' or dataset='.join(DETECTION_DATASET_NAMES)}) or a classifier "
+            f"(e.g. model=resnet20)"
+        )
+    if detection_data and not detector:
+        raise ConfigError(
+            f"dataset={dataset} is a detection dataset but model={model} is a classifier: use a detector "
+            f"(model={' or model='.join(DETECTION_MODEL_NAMES)}) or a classification dataset "
+            f"(e.g. dataset=cifar10)"
+        )
+
+
+def _name(node: DictConfig, section: str) -> str:
+    try:
+        name = node.get("name")
+    except OmegaConfBaseException as error:
+        raise ConfigError(
+            f"{section}.name cannot be resolved ({_first_line(error)}): give it a plain value"
+        ) from None
+    if not isinstance(name, str) or not name:
+        raise ConfigError(
+            f"{section}.name must be a name, got {name!r}: choose a config with {section}=<option>"
+        )
+    return name
+
+
+def _check_interpolations(node: DictConfig | ListConfig, prefix: str) -> None:
+    """Resolve every ``${...}`` (but Hydra's own, which only resolve in a launched job)."""
+    if isinstance(node, DictConfig):
+        paths = [(key, f"{prefix}.{key}" if prefix else str(key)) for key in node.keys()]
+    else:
+        paths = [(index, f"{prefix}[{index}]") for index in range(len(node))]
+    for key, path in paths:
+        if path in _UNRESOLVED_HERE:
+            continue
+        try:
+            value = node[key]
+        except OmegaConfBaseException as error:
+            raise ConfigError(
+                f"{path} cannot be resolved: {_first_line(error)}; give {path} a plain value or point its "
+                "${...} at a key that exists"
+            ) from None
+        if isinstance(value, DictConfig | ListConfig):
+            _check_interpolations(value, path)
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__
+
+
+def _check_trainer(t: DictConfig) -> None:
+    _positive_int(t.batch_size, "trainer.batch_size", 128)
+    _positive_int(t.eval_batch_size, "trainer.eval_batch_size", 500)
+    _positive_int(t.eval_every, "trainer.eval_every", 2000)
+    _positive_int(t.log_every, "trainer.log_every", 50)
+    _positive_int(t.max_steps, "trainer.max_steps", 1000, allow_none=True)
     if (t.steps is None) == (t.epochs is None):
         raise ConfigError(
             f"set exactly one of trainer.steps and trainer.epochs (got steps={t.steps}, epochs={t.epochs}); "
             "e.g. trainer.epochs=null"
         )
-    _positive_int(t.steps, "trainer.steps", allow_none=True)
-    _positive_int(t.epochs, "trainer.epochs", allow_none=True)
+    _positive_int(t.steps, "trainer.steps", 64000, allow_none=True)
+    _positive_int(t.epochs, "trainer.epochs", 90, allow_none=True)
     if t.grad_clip is not None:
-        _number(t.grad_clip, "trainer.grad_clip", 0.0, low_open=True)
+        _number(t.grad_clip, "trainer.grad_clip", 1.0, 0.0, low_open=True)
     if isinstance(t.num_workers, bool) or not isinstance(t.num_workers, int) or t.num_workers < 0:
-        raise ConfigError(f"trainer.num_workers must be an integer >= 0, got {t.num_workers!r}")
+        raise ConfigError(
+            f"trainer.num_workers must be an integer >= 0, got {t.num_workers!r}; e.g. trainer.num_workers=0"
+        )
 
+
+def _check_optimizer_and_schedule(cfg: DictConfig) -> None:
     if cfg.optimizer.name != "sgd":
         raise ConfigError(f"unknown optimizer '{cfg.optimizer.name}': the only choice is optimizer=sgd")
-    _number(cfg.optimizer.lr, "optimizer.lr", 0.0, low_open=True)
-    _number(cfg.optimizer.momentum, "optimizer.momentum", 0.0, 1.0)
-    _number(cfg.optimizer.weight_decay, "optimizer.weight_decay", 0.0)
+    _number(cfg.optimizer.lr, "optimizer.lr", 0.1, 0.0, low_open=True)
+    _number(cfg.optimizer.momentum, "optimizer.momentum", 0.9, 0.0, 1.0)
+    _number(cfg.optimizer.weight_decay, "optimizer.weight_decay", 1e-4, 0.0)
 
     s = cfg.schedule
     if s.name != "multistep":
         raise ConfigError(f"unknown schedule '{s.name}': the only choice is schedule=multistep")
+    if not isinstance(s.milestones, ListConfig):
+        raise ConfigError(
+            f"schedule.milestones must be a list of fractions of the schedule, got {s.milestones!r}; "
+            "e.g. schedule.milestones=[0.5,0.75]"
+        )
     milestones = list(s.milestones)
     for m in milestones:
-        _number(m, "schedule.milestones entries", 0.0, 1.0, low_open=True)
+        _number(m, "schedule.milestones entries", "[0.5,0.75]", 0.0, 1.0, low_open=True)
     if milestones != sorted(milestones):
         raise ConfigError(
-            f"schedule.milestones must be increasing fractions of the schedule, got {milestones}"
+            f"schedule.milestones must be increasing fractions of the schedule, got {milestones}; "
+            f"e.g. schedule.milestones=[{','.join(f'{m:g}' for m in sorted(milestones))}]"
         )
-    _number(s.gamma, "schedule.gamma", 0.0, low_open=True)
-    _number(s.warmup_fraction, "schedule.warmup_fraction", 0.0, 1.0)
-    _number(s.warmup_factor, "schedule.warmup_factor", 0.0, low_open=True)
+    _number(s.gamma, "schedule.gamma", 0.1, 0.0, low_open=True)
+    _number(s.warmup_fraction, "schedule.warmup_fraction", 0.0, 0.0, 1.0)
+    _number(s.warmup_factor, "schedule.warmup_factor", 0.1, 0.0, low_open=True)
+    warmup = s.get("warmup", "constant")
+    if warmup not in ("constant", "linear"):
+        raise ConfigError(
+            f"schedule.warmup must be 'constant' or 'linear', got {warmup!r}; e.g. schedule.warmup=linear"
+        )
+
+
+def _check_run(cfg: DictConfig) -> None:
+    """``seed``, ``telemetry``, ``device``, and the precision and scaler builders' own checks."""
+    from adaloss.precision import Precision
+    from adaloss.scalers import build_scaler
+    from adaloss.utils.device import select_device
+
+    seed = cfg.seed
+    if isinstance(seed, bool) or not isinstance(seed, int) or not -(2**63) <= seed < 2**64:
+        raise ConfigError(f"seed must be an integer (64-bit), got {seed!r}; e.g. seed=0")
+    _positive_int(cfg.telemetry.every, "telemetry.every", 100)
+    select_device(cfg.device)  # raises for an unknown name, and for cuda without a CUDA device
+    # The CPU suffices to check the names; the scaler needs the gradient format (fp8_e5m2 has its own).
+    precision = Precision(cfg.precision.name, "cpu", telemetry_format=cfg.telemetry.format)
+    build_scaler(cfg.scaler, precision.grad_format)
 
 
 def schedule_length(trainer: DictConfig, iters_per_epoch: int) -> tuple[int, int]:

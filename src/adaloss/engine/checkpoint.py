@@ -1,0 +1,337 @@
+"""Checkpoints: saved atomically, rotated, loaded without running code, and the ``resume=`` setting.
+
+A checkpoint is one ``torch.save`` file, ``<run dir>/checkpoints/step_<N>.pt`` (``N``: iterations
+completed), holding everything a run needs to continue as if it had never stopped: model, optimizer, lr
+schedule, loss scaler (the adaptive scaler's per-layer state included), every RNG state, the data position
+(epoch, batch within it, the shuffle generator's state at the epoch's start), the loop's running numbers
+(best metric, training-window sums, last underflow rates, the divergence guard's count), the W&B run id and
+the key config fields it must be resumed with. The trainer assembles that dict; this module writes, finds,
+checks and reads it.
+
+* **Atomic**: written to a temporary file in the same folder, fsynced, then ``os.replace``-d to its name
+  (and the folder fsynced), so a crash leaves the previous checkpoints intact and never a partial file
+  under a checkpoint's name. A checkpoint is never rewritten in place; the oldest beyond
+  ``trainer.keep_checkpoints`` are deleted after a new one is complete.
+* **Safe to load**: read with ``torch.load(weights_only=True)``; checkpoints hold only tensors, plain
+  containers, numbers, strings and ``None`` (RNG states converted to tensors), so loading never runs code
+  from the file.
+* **Resume**: ``resume=auto`` continues from the newest *valid* checkpoint in the run folder (a truncated or
+  corrupt one is skipped with a warning naming the file and the reason), or starts fresh if there is none;
+  ``resume=<file>`` continues from that file (a ``ConfigError`` if it is missing or unreadable);
+  ``resume=null`` starts fresh. Resuming with a different model, dataset, scaler, precision, batch size,
+  seed or run length is a ``ConfigError``.
+* **One history per folder**: checkpoints that do not belong to the run being continued (all of them for a
+  fresh run; those after the resumed step otherwise) are renamed ``step_<N>.pt.stale`` before the run
+  writes its own, so ``resume=auto`` can never pick them up; nothing is deleted but by rotation.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import DictConfig
+
+from adaloss.errors import ConfigError
+from adaloss.logging.metrics import write_atomic
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "FORMAT_VERSION",
+    "CheckpointError",
+    "CheckpointManager",
+    "Resume",
+    "config_key",
+    "load_checkpoint",
+    "object_state",
+    "plain",
+    "restore_object_state",
+    "save_atomic",
+]
+
+#: Bumped when the checkpoint layout changes incompatibly; a checkpoint of another version is refused.
+FORMAT_VERSION = 1
+#: Entries every checkpoint holds (the trainer adds them; ``load_checkpoint`` checks they are there).
+REQUIRED_KEYS = ("format", "step", "config_key", "model", "optimizer", "schedule", "scaler", "rng", "data")
+_NAME = re.compile(r"^step_(\d+)\.pt$")
+
+
+class CheckpointError(Exception):
+    """A checkpoint file that cannot be used; the message says why (one line)."""
+
+
+def save_atomic(obj: Any, path: Path) -> Path:
+    """``torch.save(obj)`` to ``path`` atomically (:func:`adaloss.logging.metrics.write_atomic`): a crash
+    leaves either no file or the complete one under ``path`` (and at most a ``.<name>.*.tmp`` leftover, which
+    :meth:`CheckpointManager.clean` removes). Cost: the serialization, one fsync of the file and one of the
+    folder."""
+    return write_atomic(path, lambda handle: torch.save(obj, handle))
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    """Read a checkpoint with ``weights_only=True`` (onto the CPU) and check its layout.
+
+    Raises:
+        CheckpointError: the file is missing, truncated, corrupt, holds objects other than tensors and plain
+            data (refused without running them), or is not an adaloss checkpoint of this format.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError("does not exist")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        if "weights only" in str(error).lower():  # refused before anything in it was run
+            raise CheckpointError(
+                "cannot be read (it holds Python objects other than tensors and plain data, which "
+                "torch.load(weights_only=True) refuses to build)"
+            ) from None
+        raise CheckpointError(f"cannot be read (UnpicklingError: {_first_sentence(error)})") from None
+    except Exception as error:  # noqa: BLE001 - any failure means this file cannot be used
+        raise CheckpointError(f"cannot be read ({type(error).__name__}: {_first_sentence(error)})") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"holds a {type(state).__name__}, not an adaloss checkpoint")
+    missing = [key for key in REQUIRED_KEYS if key not in state]
+    if missing:
+        raise CheckpointError(f"is not an adaloss checkpoint (no {', '.join(missing)})")
+    if state["format"] != FORMAT_VERSION:
+        raise CheckpointError(
+            f"has checkpoint format {state['format']!r}; this version reads {FORMAT_VERSION}"
+        )
+    return state
+
+
+def _first_sentence(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0].split(". ")[0][:200] if text else ""
+
+
+def config_key(cfg: DictConfig, steps: int) -> dict[str, Any]:
+    """The config fields a checkpoint must be resumed with (``steps``: the iterations of the run).
+
+    Everything else (learning rate, scaler hyperparameters, logging cadence, ...) may change on resume.
+    """
+    return {
+        "model": str(cfg.model.name),
+        "dataset": str(cfg.dataset.name),
+        "scaler": str(cfg.scaler.name),
+        "precision": str(cfg.precision.name),
+        "batch_size": int(cfg.trainer.batch_size),
+        "seed": int(cfg.seed),
+        "steps": int(steps),
+    }
+
+
+# Config keys behind each config_key field, for the error message's fix.
+_KEY_SETTINGS = {
+    "model": "model",
+    "dataset": "dataset",
+    "scaler": "scaler",
+    "precision": "precision",
+    "batch_size": "trainer.batch_size",
+    "seed": "seed",
+    "steps": "trainer.max_steps",
+}
+
+
+def check_config_key(saved: Mapping[str, Any], current: Mapping[str, Any], path: Path) -> None:
+    """``ConfigError`` naming every field in which the checkpoint's run differs from this one."""
+    differ = [k for k in current if k in saved and saved[k] != current[k]]
+    if not differ:
+        return
+    theirs = " ".join(f"{_KEY_SETTINGS[k]}={saved[k]}" for k in differ)
+    ours = ", ".join(f"{_KEY_SETTINGS[k]}={current[k]}" for k in differ)
+    raise ConfigError(
+        f"checkpoint {path} belongs to a different run ({theirs}; this run has {ours}): resume with "
+        f"{theirs}, or start a fresh run in a new folder (resume=null)"
+    )
+
+
+@dataclass
+class Resume:
+    """Where a resumed run continues from: the checkpoint's file and its contents."""
+
+    path: Path
+    state: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return int(self.state["step"])
+
+
+class CheckpointManager:
+    """Saves, rotates and finds the checkpoints of one run folder: ``<run_dir>/checkpoints/step_<N>.pt``.
+
+    Example::
+
+        checkpoints = CheckpointManager(run_dir, every=1000, keep=2)
+        resumed = checkpoints.resume_point("auto", key)  # a Resume, or None: start fresh
+        checkpoints.start(resumed)                      # set aside other histories' checkpoints
+        ...
+        if checkpoints.due(done, steps):
+            checkpoints.save(state, done)
+
+    ``every=None`` turns saving off (resuming still works). Cost of a save: one ``torch.save`` of the model
+    and optimizer (about twice the model's size on disk) plus two fsyncs.
+    """
+
+    def __init__(self, run_dir: Path, every: int | None = None, keep: int = 2) -> None:
+        for value, key, example in ((every, "checkpoint_every", 1000), (keep, "keep_checkpoints", 2)):
+            if value is None and key == "checkpoint_every":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                hint = " or null (no checkpoints)" if key == "checkpoint_every" else ""
+                raise ConfigError(
+                    f"trainer.{key} must be a positive integer{hint}, got {value!r}; "
+                    f"e.g. trainer.{key}={example}"
+                )
+        self.folder = Path(run_dir) / "checkpoints"
+        self.every = every
+        self.keep = keep
+
+    @classmethod
+    def from_config(cls, cfg_trainer: Any, run_dir: Path) -> CheckpointManager:
+        """From ``trainer.checkpoint_every`` (default: none) and ``trainer.keep_checkpoints`` (default 2)."""
+        return cls(run_dir, cfg_trainer.get("checkpoint_every"), cfg_trainer.get("keep_checkpoints", 2))
+
+    # ------------------------------------------------------------------ finding
+
+    def checkpoints(self) -> list[tuple[int, Path]]:
+        """``(step, path)`` of every ``step_<N>.pt`` in the folder, oldest first (not checked)."""
+        if not self.folder.is_dir():
+            return []
+        found = []
+        for path in self.folder.iterdir():
+            match = _NAME.match(path.name)
+            if match and path.is_file():
+                found.append((int(match.group(1)), path))
+        return sorted(found)
+
+    def load_latest(self) -> Resume | None:
+        """The newest checkpoint that loads and is complete, or ``None``. Each newer one that does not is
+        skipped with a warning naming the file and the reason."""
+        for _, path in reversed(self.checkpoints()):
+            try:
+                return Resume(path, load_checkpoint(path))
+            except CheckpointError as error:
+                log.warning("checkpoint %s %s; trying the previous checkpoint", path, error)
+        return None
+
+    def resume_point(self, setting: Any, key: Mapping[str, Any]) -> Resume | None:
+        """What ``resume=<setting>`` continues from (``None``: start fresh), checked against ``key``.
+
+        Raises:
+            ConfigError: an invalid setting; ``resume=<file>`` that is missing or unreadable; a checkpoint
+                of a different run (see :func:`config_key`).
+        """
+        if setting is None:
+            return None
+        if (
+            isinstance(setting, bool)
+            or not isinstance(setting, str | os.PathLike)
+            or not str(setting).strip()
+        ):
+            raise ConfigError(
+                f"resume must be auto, null or the path of a checkpoint file, got {setting!r}; "
+                "e.g. resume=auto"
+            )
+        if str(setting).strip() == "auto":
+            resumed = self.load_latest()
+            if resumed is None:
+                invalid = " (none of them is readable)" if self.checkpoints() else ""
+                log.info("resume=auto: no checkpoint in %s%s; starting a fresh run", self.folder, invalid)
+                return None
+        else:
+            path = Path(str(setting)).expanduser()
+            try:
+                resumed = Resume(path, load_checkpoint(path))
+            except CheckpointError as error:
+                raise ConfigError(
+                    f"resume={setting}: the file {error}; point resume= at a checkpoint file "
+                    "(<run dir>/checkpoints/step_<N>.pt, e.g. the previous one) or use resume=auto"
+                ) from None
+        check_config_key(resumed.state["config_key"], key, resumed.path)
+        return resumed
+
+    # ------------------------------------------------------------------ writing
+
+    def start(self, resumed: Resume | None) -> None:
+        """Prepare the folder for this run: remove temporary files a killed save left, and rename to
+        ``step_<N>.pt.stale`` the checkpoints that are not part of this run's history (all for a fresh run;
+        those after the resumed step otherwise), so that ``resume=auto`` cannot pick them up later."""
+        if not self.folder.is_dir():
+            return
+        for leftover in self.folder.glob(".step_*.pt.*.tmp"):
+            leftover.unlink(missing_ok=True)
+        after = resumed.step if resumed is not None else -1
+        stale = [path for step, path in self.checkpoints() if step > after]
+        for path in stale:
+            os.replace(path, path.with_name(path.name + ".stale"))
+        if stale:
+            why = (
+                f"after step {after}, the one resumed" if resumed is not None else "and this run starts fresh"
+            )
+            log.warning(
+                "%s held %d checkpoint(s) of another history (%s); renamed to *.pt.stale: %s",
+                self.folder, len(stale), why, ", ".join(p.name for p in stale),
+            )  # fmt: skip
+
+    def due(self, done: int, steps: int) -> bool:
+        """Whether to save after ``done`` iterations: every ``every`` iterations, not after the last one
+        (a finished run records ``metrics.json``, and ``model.pt`` with ``trainer.save_final``)."""
+        return self.every is not None and done % self.every == 0 and done < steps
+
+    def save(self, state: dict[str, Any], step: int) -> Path:
+        """Write ``state`` as ``step_<step>.pt`` atomically, then delete the oldest beyond ``keep``."""
+        path = save_atomic(state, self.folder / f"step_{step}.pt")
+        for _, old in self.checkpoints()[: -self.keep]:
+            old.unlink(missing_ok=True)
+        log.debug("checkpoint %s written", path)
+        return path
+
+
+# ------------------------------------------------------------------------------ plain-data conversion
+
+
+def plain(value: Any) -> Any:
+    """``value`` with NumPy scalars and arrays, tuples and mappings turned into Python numbers, lists and
+    dicts, so that ``torch.load(weights_only=True)`` accepts it. Tensors are kept (moved to the CPU)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, Mapping):
+        return {str(k) if not isinstance(k, int) else k: plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def object_state(obj: Any) -> dict[str, Any]:
+    """A copy of ``obj``'s attributes (tensors cloned to the CPU), for small helper objects without a
+    ``state_dict`` whose attributes are all tensors and plain values (the trainer's training window)."""
+    return {
+        k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else plain(v) for k, v in vars(obj).items()
+    }
+
+
+def restore_object_state(obj: Any, state: Mapping[str, Any]) -> None:
+    """Put back what :func:`object_state` saved: tensors are copied into the existing ones (their device
+    and dtype kept), other attributes replaced."""
+    for key, value in state.items():
+        current = getattr(obj, key, None)
+        if isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor):
+            current.copy_(value)
+        else:
+            setattr(obj, key, value)

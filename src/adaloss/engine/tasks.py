@@ -1,0 +1,229 @@
+"""What differs between classification and detection runs, behind one small interface the loop calls.
+
+The loop in :mod:`adaloss.engine.trainer` is the same for every task: fetch a batch, forward and loss under
+the precision context, backward through the loss scaler, step, update. A :class:`Task` supplies the parts
+that depend on the data: how a batch moves to the device, the loss, the running training statistics, and
+the evaluation metric.
+
+* :class:`ClassificationTask`: cross-entropy, top-1 accuracy (``test_accuracy``, %).
+* :class:`DetectionTask`: SSD's multibox loss, VOC2007 11-point mAP at IoU 0.5 (``map``, %, with
+  ``ap_per_class``). The module trained (and rewritten by the adaptive scaler) is the detector's
+  ``net``; default boxes, loss and post-processing stay on the :class:`~adaloss.models.ssd.SSDDetector`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from adaloss.data import DatasetInfo, detection_collate
+from adaloss.engine.evaluate import evaluate
+from adaloss.errors import ConfigError
+from adaloss.metrics.voc_map import voc07_map
+from adaloss.models import DETECTION_MODEL_NAMES, build_model
+from adaloss.models.ssd import lsuv_init_
+from adaloss.precision import Precision
+
+__all__ = ["ClassificationTask", "DetectionTask", "Evaluation", "Task", "build_task"]
+
+
+class Evaluation(dict):
+    """An evaluation's numbers: ``value`` (the task's metric, %) plus entries for ``metrics.json``."""
+
+    def __init__(self, value: float, **extra: Any) -> None:
+        super().__init__(extra)
+        self.value = float(value)
+
+
+class Task:
+    """Interface of a training task. Subclasses set ``metric`` (the ``metrics.json`` key of the test metric),
+    ``log_name`` (its W&B name under ``test/``) and ``collate_fn``."""
+
+    metric: str
+    log_name: str
+    collate_fn: Callable[[list[Any]], Any] | None = None
+
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        self.model = model  # the module to train: the scaler attaches to it, the optimizer steps it
+        self.device = device
+
+    def to_device(self, batch: Any) -> Any:
+        raise NotImplementedError
+
+    def loss(self, model: nn.Module, batch: Any) -> tuple[Tensor, Any]:
+        """``(loss, outputs)`` of ``model`` on ``batch`` (called under the precision context)."""
+        raise NotImplementedError
+
+    def evaluate(self, model: nn.Module, loader: Iterable[Any], precision: Precision) -> Evaluation:
+        raise NotImplementedError
+
+    def new_window(self) -> _Window:
+        return _Window(self.device, with_accuracy=False)
+
+    def initialize(self, train_set: Any) -> None:
+        """Data-dependent initialization of the model before training (none by default)."""
+
+
+class ClassificationTask(Task):
+    """Cross-entropy on ``(images [B, C, H, W], labels [B])`` batches; top-1 accuracy."""
+
+    metric = "test_accuracy"
+    log_name = "accuracy"
+
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        super().__init__(model, device)
+        self.criterion = nn.CrossEntropyLoss()
+
+    def to_device(self, batch: Any) -> tuple[Tensor, Tensor]:
+        x, y = batch
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+    def loss(self, model: nn.Module, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        x, y = batch
+        logits = model(x)  # (B, num_classes)
+        return self.criterion(logits, y), logits
+
+    def new_window(self) -> _Window:
+        return _Window(self.device, with_accuracy=True)
+
+    def evaluate(self, model: nn.Module, loader: Iterable[Any], precision: Precision) -> Evaluation:
+        """Top-1 accuracy (%) over ``loader`` (see :func:`adaloss.engine.evaluate.evaluate`)."""
+        return Evaluation(evaluate(model, loader, precision, self.device))
+
+
+class DetectionTask(Task):
+    """SSD on ``(images [B, 3, S, S], [target dict, ...])`` batches (``detection_collate``); VOC07 mAP.
+
+    ``detector`` is the :class:`~adaloss.models.ssd.SSDDetector`; ``self.model`` is its ``net``.
+    """
+
+    metric = "map"
+    log_name = "map"
+    collate_fn = staticmethod(detection_collate)
+
+    def __init__(
+        self, detector: Any, device: torch.device, class_names: tuple[str, ...], init: str = "default"
+    ) -> None:
+        super().__init__(detector.net, device)
+        self.detector = detector.to(device)  # the default boxes move with it
+        self.class_names = class_names
+        self.init = init
+
+    def initialize(self, train_set: Any, images: int = 16) -> None:
+        """``model.init=lsuv``: rescale the backbone's convolutions to unit output variance on the first
+        ``images`` training samples (:func:`adaloss.models.ssd.lsuv_init_`), the from-scratch start a
+        detector without batch norm or pretrained weights needs at small input sizes. Reads the samples by
+        index (no loader, so the data order is untouched). Cost: a few forward passes per conv on 16 images.
+        """
+        if self.init != "lsuv":
+            return
+        batch = torch.stack([train_set[i][0] for i in range(min(images, len(train_set)))]).to(self.device)
+        lsuv_init_(self.detector.net.backbone, batch)
+
+    def to_device(self, batch: Any) -> tuple[Tensor, list[dict[str, Tensor]]]:
+        images, targets = batch
+        moved = [{k: v.to(self.device, non_blocking=True) for k, v in t.items()} for t in targets]
+        return images.to(self.device, non_blocking=True), moved
+
+    def loss(self, model: nn.Module, batch: tuple[Tensor, list[dict[str, Tensor]]]) -> tuple[Tensor, Any]:
+        images, targets = batch
+        outputs = model(images)  # (cls_logits [B, A, C+1], bbox_regression [B, A, 4])
+        return self.detector.loss(outputs, targets).total, outputs
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, loader: Iterable[Any], precision: Precision) -> Evaluation:
+        """VOC2007 11-point mAP (%) at IoU 0.5 over ``loader``, difficult objects ignored; also
+        ``ap_per_class``. The forward pass runs in the training format; post-processing (softmax, NMS) and
+        the metric in FP32 / NumPy. Cost: one forward pass over the test set, one NMS per image, host-side
+        matching (syncs host and device per batch, for the data-dependent detection counts)."""
+        was_training = model.training
+        model.eval()
+        detections: list[dict[str, Any]] = []
+        truths: list[dict[str, Any]] = []
+        for batch in loader:
+            images, targets = self.to_device(batch)
+            with precision.autocast():
+                outputs = model(images)
+            for det in self.detector.postprocess(outputs):
+                detections.append({k: v.cpu() for k, v in det.items()})
+            truths.extend({k: v.cpu() for k, v in t.items()} for t in targets)
+        model.train(was_training)
+        result = voc07_map(detections, truths, self.detector.num_classes, class_names=self.class_names)
+        return Evaluation(result["map"], ap_per_class=result["ap_per_class"])
+
+
+def build_task(cfg_model: Any, info: DatasetInfo, device: torch.device) -> Task:
+    """The task for a model and dataset: builds the model (on ``device``) and checks they fit together.
+
+    Raises ``ConfigError`` for a detection model on classification data or the reverse.
+    """
+    name = str(cfg_model.get("name") if hasattr(cfg_model, "get") else cfg_model.name)
+    detection_data = getattr(info, "task", "classification") == "detection"
+    detection_model = name in DETECTION_MODEL_NAMES
+    if detection_model != detection_data:
+        kind = "a detection" if detection_model else "a classification"
+        data_kind = "detection" if detection_data else "classification"
+        fix = "dataset=shapes or dataset=voc" if detection_model else "model=ssd512 or model=ssd300"
+        raise ConfigError(
+            f"model {name} is {kind} model but dataset {info.name} is a {data_kind} dataset: use {fix}"
+        )
+    model = build_model(cfg_model, info.num_classes, input_shape=info.input_shape)
+    if detection_model:
+        if model.image_size != info.image_size:
+            raise ConfigError(
+                f"model.image_size={model.image_size} but the dataset's images are {info.image_size} pixels: "
+                "set dataset.image_size to the model's (the detection configs interpolate it)"
+            )
+        init = str(cfg_model.get("init", "default") if hasattr(cfg_model, "get") else "default")
+        if init not in ("default", "lsuv"):
+            raise ConfigError(f"model.init must be 'default' or 'lsuv', got '{init}'; e.g. model.init=lsuv")
+        return DetectionTask(model, device, tuple(getattr(info, "class_names", ())) or None, init)
+    return ClassificationTask(model.to(device), device)
+
+
+class _Window:
+    """Running train loss (and accuracy) since the last read, on the device so adding never syncs."""
+
+    def __init__(self, device: torch.device, with_accuracy: bool) -> None:
+        self.with_accuracy = with_accuracy
+        self._loss = torch.zeros((), dtype=torch.float64, device=device)
+        self._correct = torch.zeros((), dtype=torch.long, device=device)
+        self._seen = 0  # samples (images)
+        self._steps = 0
+
+    def add(self, loss: Tensor, outputs: Any, batch: Any) -> None:
+        """Add one step: ``loss`` is the batch mean; accuracy counts ``argmax(outputs) == labels``."""
+        if self.with_accuracy:
+            y = batch[1]
+            n = y.numel()
+            self._loss += loss.detach().double() * n
+            self._correct += (outputs.detach().argmax(dim=1) == y).sum()
+        else:
+            n = len(batch[1])
+            self._loss += loss.detach().double() * n
+        self._seen += n
+        self._steps += 1
+
+    def read(self, reduce: Callable[[Tensor], Tensor] | None = None) -> tuple[float, float | None, int]:
+        """``(mean loss, accuracy % or None, samples)`` since the last read, then reset. One host sync.
+
+        ``reduce`` (data-parallel runs): sums a float64 tensor over the ranks in place (an all-reduce every
+        rank must call at the same read), so the numbers are those of the global batches; ``None``: this
+        process's own.
+        """
+        sums = torch.stack([self._loss, self._correct.double(), self._loss.new_tensor(float(self._seen))])
+        if reduce is not None:
+            sums = reduce(sums)
+        loss, correct, total = sums.tolist()
+        samples = int(round(total))
+        seen = max(samples, 1)
+        accuracy = 100.0 * correct / seen if self.with_accuracy else None
+        result = (loss / seen, accuracy, samples)
+        self._loss.zero_()
+        self._correct.zero_()
+        self._seen = 0
+        self._steps = 0
+        return result

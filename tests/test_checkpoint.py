@@ -1,0 +1,292 @@
+"""Checkpoints and resume: atomic writes, rotation, safe loading, clear errors, and a run killed with SIGKILL
+and resumed ending bitwise where the uninterrupted run ends."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import DictConfig
+from torch.utils.data import TensorDataset
+
+from adaloss.data.loaders import BatchStream, make_loader
+from adaloss.engine import checkpoint as ckpt
+from adaloss.engine import train
+from adaloss.engine.checkpoint import CheckpointError, CheckpointManager, load_checkpoint
+from adaloss.errors import ConfigError
+from adaloss.utils.seed import capture_rng_state, restore_rng_state
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    differ = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not differ, f"tensors differ: {differ[:5]}"
+
+
+def _minimal_state(step: int) -> dict:
+    """A checkpoint-shaped dict (what load_checkpoint checks), for the manager's own tests."""
+    return {key: {} for key in ckpt.REQUIRED_KEYS} | {"format": ckpt.FORMAT_VERSION, "step": step}
+
+
+def _steps(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+
+
+# ------------------------------------------------------------------------------------- building blocks
+
+
+def test_batch_stream_resumes_mid_epoch_with_the_same_order() -> None:
+    data = TensorDataset(torch.arange(50))  # 6 batches of 8 per epoch (drop_last), 2 left over
+    reference = BatchStream(make_loader(data, 8, train=True, seed=3))
+    order = [next(reference)[0].tolist() for _ in range(20)]
+    for taken in (0, 1, 5, 6, 7, 13):  # epoch starts, mid-epoch, last batch of an epoch
+        stream = BatchStream(make_loader(data, 8, train=True, seed=3))
+        for _ in range(taken):
+            next(stream)
+        state = stream.state_dict()
+        resumed = BatchStream(make_loader(data, 8, train=True, seed=3))
+        resumed.load_state_dict(state)
+        assert (resumed.epoch, resumed.batch_index) == (stream.epoch, stream.batch_index)
+        assert [next(resumed)[0].tolist() for _ in range(20 - taken)] == order[taken:], taken
+
+
+def test_make_loader_keeps_the_shuffle_order_of_a_plain_dataloader() -> None:
+    data = TensorDataset(torch.arange(50))
+    generator = torch.Generator().manual_seed(5)
+    plain = torch.utils.data.DataLoader(data, batch_size=8, shuffle=True, generator=generator, drop_last=True)
+    ours = make_loader(data, 8, train=True, seed=5)
+    assert [b[0].tolist() for _ in range(3) for b in plain] == [b[0].tolist() for _ in range(3) for b in ours]
+
+
+def test_rng_states_survive_a_weights_only_round_trip(tmp_path: Path) -> None:
+    random.gauss(0, 1), np.random.randn(), torch.rand(1)  # noqa: B018 - leave cached gaussians behind
+    ckpt.save_atomic(capture_rng_state(), tmp_path / "rng.pt")
+    expected = (random.random(), random.gauss(0, 1), np.random.rand(), np.random.randn(), torch.rand(3))
+    restore_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
+    again = (random.random(), random.gauss(0, 1), np.random.rand(), np.random.randn(), torch.rand(3))
+    assert expected[:4] == again[:4] and torch.equal(expected[4], again[4])
+
+
+def test_keep_k_rotation(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path, every=1, keep=2)
+    for step in range(1, 6):
+        manager.save(_minimal_state(step), step)
+    assert _steps(manager.folder) == ["step_4.pt", "step_5.pt"]
+    assert load_checkpoint(manager.folder / "step_5.pt")["step"] == 5
+
+
+def test_a_crash_mid_write_leaves_the_old_checkpoint_intact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    manager = CheckpointManager(tmp_path, every=1, keep=2)
+    manager.save(_minimal_state(1), 1)
+    before = (manager.folder / "step_1.pt").read_bytes()
+
+    def dies_half_way(obj: object, handle) -> None:  # what a crash mid-write leaves: part of the bytes
+        handle.write(before[: len(before) // 2])
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(ckpt.torch, "save", dies_half_way)
+    with pytest.raises(OSError, match="No space"):
+        manager.save(_minimal_state(2), 2)
+    assert _steps(manager.folder) == ["step_1.pt"]  # no partial file under a final name, no temporary
+    assert (manager.folder / "step_1.pt").read_bytes() == before
+    monkeypatch.undo()
+    assert manager.load_latest().step == 1
+
+
+class _Payload:
+    """Unpickling this would run code (create a marker file); weights_only loading must refuse it."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_loading_refuses_pickled_objects_without_running_them(tmp_path: Path) -> None:
+    marker = tmp_path / "code_ran"
+    path = tmp_path / "evil.pt"
+    torch.save(_minimal_state(3) | {"extra": _Payload(marker)}, path)
+    with pytest.raises(CheckpointError, match="Python objects other than tensors"):
+        load_checkpoint(path)
+    with pytest.raises(ConfigError) as info:
+        CheckpointManager(tmp_path / "run").resume_point(str(path), {})
+    assert str(path) in str(info.value) and "\n" not in str(info.value)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("content", [None, b"", b"not a checkpoint", "truncated"])
+def test_resume_from_a_bad_file_is_a_config_error(tmp_path: Path, content: bytes | str | None) -> None:
+    path = tmp_path / "step_7.pt"
+    if content == "truncated":
+        ckpt.save_atomic(_minimal_state(7), path)
+        path.write_bytes(path.read_bytes()[:200])
+    elif content is not None:
+        path.write_bytes(content)
+    with pytest.raises(ConfigError) as info:
+        CheckpointManager(tmp_path / "run").resume_point(str(path), {})
+    message = str(info.value)
+    assert message.startswith(f"resume={path}: the file") and "resume=auto" in message
+    assert "\n" not in message
+
+
+# ----------------------------------------------------------------------------------- through train()
+
+
+FAST = ("trainer.max_steps=6", "trainer.checkpoint_every=2", "trainer.eval_every=3", "trainer.log_every=1",
+        "telemetry.every=2", "dataset.train_size=12", "trainer.save_final=true")  # fmt: skip
+
+
+def test_in_process_resume_matches_the_uninterrupted_run(
+    make_cfg: Callable[..., DictConfig], tmp_path: Path
+) -> None:
+    # 3 batches per epoch: the checkpoint at step 4 is mid-epoch (epoch 1, batch 1)
+    full = train(make_cfg(*FAST, "scaler=dynamic"))
+    first = _weights(tmp_path / "model.pt")
+    assert _steps(tmp_path / "checkpoints") == ["step_2.pt", "step_4.pt"]  # keep 2; none after the last step
+    state = load_checkpoint(tmp_path / "checkpoints" / "step_4.pt")
+    assert (state["data"]["epoch"], state["data"]["batch_index"]) == (1, 1)
+    telemetry = (tmp_path / "telemetry.jsonl").read_text()
+
+    (tmp_path / "model.pt").unlink()
+    (tmp_path / "metrics.json").unlink()
+    resumed = train(make_cfg(*FAST, "scaler=dynamic", f"resume={tmp_path / 'checkpoints' / 'step_4.pt'}"))
+    _assert_bitwise_equal(first, _weights(tmp_path / "model.pt"))
+    for key in ("train_loss", "test_accuracy", "best_test_accuracy", "skipped_steps", "loss_scale", "lr"):
+        assert resumed[key] == full[key], key
+    assert (tmp_path / "telemetry.jsonl").read_text() == telemetry  # no line lost or doubled
+
+
+def test_corrupt_newest_checkpoint_warns_and_the_previous_is_used(
+    make_cfg: Callable[..., DictConfig], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    train(make_cfg(*FAST))
+    first = _weights(tmp_path / "model.pt")
+    newest = tmp_path / "checkpoints" / "step_4.pt"
+    newest.write_bytes(newest.read_bytes()[:1000])  # truncated, e.g. by a full disk outside our control
+    with caplog.at_level(logging.INFO):
+        train(make_cfg(*FAST, "resume=auto"))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(str(newest) in w and "cannot be read" in w for w in warnings), warnings
+    assert any("resuming from" in r.getMessage() and "step_2.pt" in r.getMessage() for r in caplog.records)
+    _assert_bitwise_equal(first, _weights(tmp_path / "model.pt"))
+    # the corrupt file is set aside (not deleted), and the resumed run wrote a fresh step_4.pt
+    assert _steps(tmp_path / "checkpoints") == ["step_2.pt", "step_4.pt", "step_4.pt.stale"]
+    assert load_checkpoint(newest)["step"] == 4
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("model=mlp", "model=resnet20"),
+        ("scaler=fixed", "scaler=dynamic"),
+        ("precision=fp32", "precision=fp16"),
+    ],
+)
+def test_a_checkpoint_of_a_different_config_is_a_config_error(
+    make_cfg: Callable[..., DictConfig], tmp_path: Path, override: str, named: str
+) -> None:
+    train(make_cfg("scaler=dynamic", "trainer.max_steps=3", "trainer.checkpoint_every=2"))
+    with pytest.raises(ConfigError) as info:
+        train(make_cfg("scaler=dynamic", "trainer.max_steps=3", override, "resume=auto"))
+    message = str(info.value)
+    assert "step_2.pt" in message and "belongs to a different run" in message and named in message
+    assert "\n" not in message
+
+
+def test_resume_auto_without_checkpoints_starts_fresh_and_fresh_runs_set_old_ones_aside(
+    make_cfg: Callable[..., DictConfig], tmp_path: Path
+) -> None:
+    assert train(make_cfg("trainer.max_steps=3", "trainer.checkpoint_every=2", "resume=auto"))["steps"] == 3
+    assert _steps(tmp_path / "checkpoints") == ["step_2.pt"]
+    train(make_cfg("trainer.max_steps=3", "trainer.checkpoint_every=2"))  # resume=null: a new history
+    assert _steps(tmp_path / "checkpoints") == ["step_2.pt", "step_2.pt.stale"]
+
+
+def test_invalid_settings(make_cfg: Callable[..., DictConfig]) -> None:
+    with pytest.raises(ConfigError, match="trainer.checkpoint_every must be a positive integer or null"):
+        train(make_cfg("trainer.checkpoint_every=0"))
+    with pytest.raises(ConfigError, match="trainer.keep_checkpoints"):
+        train(make_cfg("trainer.keep_checkpoints=0"))
+    with pytest.raises(ConfigError, match="resume must be auto, null or the path"):
+        train(make_cfg("resume=true"))
+    with pytest.raises(ConfigError, match="the file does not exist"):
+        train(make_cfg("resume=/nonexistent/step_3.pt"))
+
+
+# ------------------------------------------------------------------- SIGKILL part-way, then resume=auto
+
+# Real digits at 8x8 (the augmentation draws from the torch RNG), 44 batches per epoch: checkpoints every
+# 5 iterations, killed once step_10.pt exists (mid-epoch), resumed across the epoch boundary. ~2-4 s of
+# training per run on one core, plus the interpreter's start-up.
+KILL_RUN = ("dataset=digits", "dataset.image_size=8", "trainer.batch_size=32", "trainer.max_steps=90",
+            "trainer.eval_every=30", "trainer.checkpoint_every=5", "trainer.log_every=5", "telemetry.every=7",
+            "trainer.save_final=true", "trainer.progress_bar=false", "device=cpu", "logger=none")  # fmt: skip
+SCALER_RUNS = {
+    "dynamic": ("model=mlp", "scaler=dynamic", "scaler.growth_interval=8"),  # the scale moves both ways
+    "adaptive": ("model=resnet20", "scaler=adaptive", "scaler.update_every=7"),  # resume between recomputes
+}
+
+
+def _cli(run_dir: Path, *overrides: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    return subprocess.Popen(
+        [sys.executable, "train.py", *overrides, f"hydra.run.dir={run_dir}"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+
+def _finish(proc: subprocess.Popen[str], timeout: float = 300) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("scaler", sorted(SCALER_RUNS))
+def test_a_run_killed_part_way_and_resumed_ends_bitwise_identical(tmp_path: Path, scaler: str) -> None:
+    overrides = (*KILL_RUN, *SCALER_RUNS[scaler])
+    reference, interrupted = tmp_path / "reference", tmp_path / "interrupted"
+    uninterrupted = _cli(reference, *overrides)  # runs alongside the one we kill
+
+    victim = _cli(interrupted, *overrides)
+    target = interrupted / "checkpoints" / "step_10.pt"
+    deadline = time.monotonic() + 240
+    while not target.exists() and victim.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    victim.send_signal(signal.SIGKILL)
+    victim.communicate(timeout=60)
+    assert victim.returncode == -signal.SIGKILL, "the run ended before it could be killed part-way"
+    assert target.exists() and not (interrupted / "metrics.json").exists()
+    killed_at = max(int(p.stem.split("_")[1]) for p in (interrupted / "checkpoints").glob("step_*.pt"))
+    assert killed_at < 90
+
+    out = _finish(_cli(interrupted, *overrides, "resume=auto"))
+    assert f"resuming from {interrupted / 'checkpoints'}" in out
+    _finish(uninterrupted)
+
+    _assert_bitwise_equal(_weights(reference / "model.pt"), _weights(interrupted / "model.pt"))
+    ours, theirs = (json.loads((d / "metrics.json").read_text()) for d in (interrupted, reference))
+    for key in ("train_loss", "train_accuracy", "test_accuracy", "best_test_accuracy", "skipped_steps",
+                "overflow_count", "loss_scale", "underflow_rate", "lr", "steps"):  # fmt: skip
+        assert ours[key] == theirs[key], key
+    assert (interrupted / "telemetry.jsonl").read_text() == (reference / "telemetry.jsonl").read_text()
