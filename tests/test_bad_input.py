@@ -105,6 +105,12 @@ CLI_CASES: list = [
 
 _NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: device=cuda is valid")
 
+CLI_CASES.append(
+    pytest.param(
+        ["resume={tmp}/garbage.pt"], ["garbage.pt", "checkpoint"], True, id="unreadable-checkpoint+cleanup"
+    )
+)
+
 VALUE_CASES: list = [
     # fixed scaler
     pytest.param(
@@ -256,6 +262,7 @@ def _with_tiny(overrides: Sequence[str]) -> list[str]:
 
 def _fill(overrides: Sequence[str], tmp: Path) -> list[str]:
     (tmp / "empty").mkdir(exist_ok=True)
+    (tmp / "garbage.pt").write_bytes(b"not a checkpoint, just bytes")
     for split in ("train", "val"):
         (tmp / "empty_imagenet" / "imagenet" / split).mkdir(parents=True, exist_ok=True)
     return [o.replace("{tmp}", str(tmp)) for o in overrides]
