@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, TINY
 
 SCRIPTS = ROOT / "scripts"
 DATA = ROOT / "tests" / "data" / "tables"
@@ -372,16 +372,7 @@ def test_a_real_experiment_sweep_feeds_the_tables(tmp_path: Path) -> None:
         "model=resnet20",
         "variant=fixed1,fixed16",  # replaces the grid's 7 scales; seed=0 replaces its 4 seeds
         "seed=0",
-        "dataset=synthetic",
-        "dataset.image_size=16",
-        "dataset.train_size=16",
-        "dataset.test_size=8",
-        "trainer.batch_size=4",
-        "trainer.eval_batch_size=8",
-        "trainer.max_steps=2",
-        "trainer.progress_bar=false",
-        "device=cpu",
-        "logger=none",
+        *TINY,
         f"hydra.sweep.dir={sweep}",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

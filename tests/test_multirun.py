@@ -13,21 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, TINY
 
-TINY_CLI = [
-    "dataset=synthetic",
-    "dataset.image_size=16",
-    "dataset.train_size=16",
-    "dataset.test_size=8",
-    "trainer.batch_size=4",
-    "trainer.eval_batch_size=8",
-    "trainer.max_steps=2",
-    "trainer.progress_bar=false",
-    "model=mlp",
-    "device=cpu",
-    "logger=none",
-]
+TINY_CLI = [*TINY, "model=mlp"]
 
 
 def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:

@@ -27,6 +27,7 @@ from torchvision import datasets as tvd
 
 from adaloss.data import transforms as tr
 from adaloss.errors import ConfigError
+from adaloss.utils.fields import MISSING, config_field
 
 __all__ = ["DATASET_NAMES", "DatasetInfo", "TensorImageDataset", "build_datasets"]
 
@@ -37,7 +38,9 @@ _CIFAR10_MEAN, _CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 _CIFAR100_MEAN, _CIFAR100_STD = (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)
 _IMAGENET_MEAN, _IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
-_MISSING = object()
+
+def _field(cfg: Any, key: str, default: Any = MISSING) -> Any:
+    return config_field(cfg, key, default, group="dataset")
 
 
 @dataclass(frozen=True)
@@ -57,20 +60,7 @@ class DatasetInfo:
         return (self.channels, self.image_size, self.image_size)
 
 
-def _field(cfg: Any, key: str, default: Any = _MISSING) -> Any:
-    """Read ``key`` from a DictConfig, a dict or an attribute object; ``default`` if absent or null."""
-    if hasattr(cfg, "get") and callable(cfg.get):
-        value = cfg.get(key, _MISSING)
-    else:
-        value = getattr(cfg, key, _MISSING)
-    if value is _MISSING or value is None:
-        if default is _MISSING:
-            raise ConfigError(f"dataset config is missing the field '{key}'")
-        return default
-    return value
-
-
-def _int_field(cfg: Any, key: str, default: Any = _MISSING, minimum: int = 1) -> int:
+def _int_field(cfg: Any, key: str, default: Any = MISSING, minimum: int = 1) -> int:
     value = _field(cfg, key, default)
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
         raise ConfigError(f"dataset.{key} must be an integer >= {minimum}, got {value!r}")

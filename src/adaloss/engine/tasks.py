@@ -13,6 +13,7 @@ the evaluation metric.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -38,9 +39,10 @@ class Evaluation(dict):
         self.value = float(value)
 
 
-class Task:
+class Task(ABC):
     """Interface of a training task. Subclasses set ``metric`` (the ``metrics.json`` key of the test metric),
-    ``log_name`` (its W&B name under ``test/``) and ``collate_fn``."""
+    ``log_name`` (its W&B name under ``test/``) and ``collate_fn``, and implement the three abstract
+    methods."""
 
     metric: str
     log_name: str
@@ -50,21 +52,24 @@ class Task:
         self.model = model  # the module to train: the scaler attaches to it, the optimizer steps it
         self.device = device
 
+    @abstractmethod
     def to_device(self, batch: Any) -> Any:
-        raise NotImplementedError
+        """``batch`` (as the loader yields it) on ``self.device``."""
 
+    @abstractmethod
     def loss(self, model: nn.Module, batch: Any) -> tuple[Tensor, Any]:
         """``(loss, outputs)`` of ``model`` on ``batch`` (called under the precision context)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def evaluate(self, model: nn.Module, loader: Iterable[Any], precision: Precision) -> Evaluation:
-        raise NotImplementedError
+        """The test metric over ``loader`` (``Evaluation.value``, %), plus entries for ``metrics.json``."""
 
     def new_window(self) -> _Window:
         return _Window(self.device, with_accuracy=False)
 
     def initialize(self, train_set: Any) -> None:
         """Data-dependent initialization of the model before training (none by default)."""
+        return None  # an explicit no-op hook; DetectionTask overrides it
 
 
 class ClassificationTask(Task):

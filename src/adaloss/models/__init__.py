@@ -17,6 +17,7 @@ from adaloss.models.mlp import MLP
 from adaloss.models.ssd import DETECTION_MODEL_NAMES, SSDDetector, build_detector
 from adaloss.models.torchvision_resnet import torchvision_resnet
 from adaloss.models.vgg import VGGNoBN
+from adaloss.utils.fields import MISSING, config_field
 
 __all__ = [
     "DETECTION_MODEL_NAMES",
@@ -40,20 +41,9 @@ MODEL_NAMES: tuple[str, ...] = (
     "vgg_nobn",
 )
 
-_MISSING = object()
 
-
-def _field(cfg: Any, key: str, default: Any = _MISSING) -> Any:
-    """Read ``key`` from a DictConfig, a dict or an attribute object; ``default`` if absent."""
-    if hasattr(cfg, "get") and callable(cfg.get):
-        value = cfg.get(key, _MISSING)
-    else:
-        value = getattr(cfg, key, _MISSING)
-    if value is _MISSING or value is None:
-        if default is _MISSING:
-            raise ConfigError(f"model config is missing the field '{key}'")
-        return default
-    return value
+def _field(cfg: Any, key: str, default: Any = MISSING) -> Any:
+    return config_field(cfg, key, default, group="model")
 
 
 def build_model(cfg: Any, num_classes: int, input_shape: tuple[int, int, int] = (3, 32, 32)) -> nn.Module:

@@ -59,6 +59,7 @@ from torchvision.models.detection.transform import resize_boxes
 from torchvision.ops import boxes as box_ops
 
 from adaloss.errors import ConfigError
+from adaloss.utils.fields import MISSING, config_field
 
 __all__ = [
     "DETECTION_MODEL_NAMES",
@@ -74,6 +75,10 @@ __all__ = [
     "load_backbone_weights",
     "lsuv_init_",
 ]
+
+
+def _field(cfg: Any, key: str, default: Any = MISSING) -> Any:
+    return config_field(cfg, key, default, group="model")
 
 
 @dataclass(frozen=True)
@@ -571,20 +576,6 @@ def _background_prior_(head: SSDHead, num_classes: int, prior: float) -> None:
 
 
 # --------------------------------------------------------------------------------------------------- build
-
-_MISSING = object()
-
-
-def _field(cfg: Any, key: str, default: Any = _MISSING) -> Any:
-    if hasattr(cfg, "get") and callable(cfg.get):
-        value = cfg.get(key, _MISSING)
-    else:
-        value = getattr(cfg, key, _MISSING)
-    if value is _MISSING or value is None:
-        if default is _MISSING:
-            raise ConfigError(f"model config is missing the field '{key}'")
-        return default
-    return value
 
 
 def feature_map_sizes(backbone: SSDBackbone, image_size: int) -> list[tuple[int, int]]:
