@@ -41,6 +41,13 @@ the largest source of noise here. Both clocks timed the same steps of one 12-rou
 1.053-1.074 by the CPU clock. The CPU clock still includes the slowdown from sharing caches and memory
 bandwidth with the neighbours, so it does not make a loaded machine an idle one.
 
+Allocator and kernels: ``main`` first applies :func:`adaloss.utils.allocator.tune_cpu_allocator` (as the
+trainer does on the CPU), so no configuration pays for glibc's malloc giving memory back to the kernel and
+faulting it in again every step; without it, which configuration took those faults (up to 1.4 million per
+step) depended on heap layout and moved ratios by several percent. The FP16 rounding and Algorithm 4's
+statistics use the native kernels (:mod:`adaloss.numerics.native`) when they could be built; the JSON's
+settings record both.
+
 Cost: the default run keeps to ``--budget`` seconds (840 s), shared among the models; deeper models get
 fewer rounds and fewer steps per round. ``--quick`` is a seconds-long smoke run. Raw per-step timings (with
 their kinds and cycles) and every ratio go to ``--out`` (``results/bench/bench.json``).
@@ -436,6 +443,9 @@ def render(
         "",
         C.header_line(info),
         "",
+        f"malloc tuned: {'yes' if settings.get('malloc_tuned') else 'no'}; native FP16 kernels: "
+        f"{settings.get('native_kernels', 'unknown')}.",
+        "",
         "Each ratio is the median over interleaved rounds of the per-round ratio of mean step times, all "
         "configurations in one process (p25-p75 of the per-round ratios beside it; Resolved: no when the "
         "target lies inside that range). A step is forward + loss + scaled backward + scaler.step + update "
@@ -512,12 +522,85 @@ def render(
             notes.append(f"{res.model}: stopped after {len(res.rounds)} rounds by the time budget")
     if notes:
         lines += [""] + [f"- note: {n}" for n in notes]
+    kernels = settings.get("kernel_timings")
+    if kernels:
+        lines += [
+            "",
+            f"FP16 rounding of {KERNEL_NUMEL} float32 values, one thread, median microseconds over "
+            f"{KERNEL_REPEATS} calls (torch ops vs the native kernels of adaloss.numerics.native):",
+            "",
+            C.markdown_table(
+                ["Operation", "torch (us)", "native (us)", "torch / native"],
+                [
+                    [
+                        k["op"],
+                        f"{k['torch_us']:.0f}",
+                        f"{k['native_us']:.0f}",
+                        f"{k['torch_us'] / k['native_us']:.2f}x",
+                    ]
+                    for k in kernels
+                ],
+            ),
+        ]
     total = sum(r.seconds for r in results)
     lines += ["", f"Total measurement time {total:.0f}s."]
     return "\n".join(lines)
 
 
+KERNEL_NUMEL = 524_288  # one ResNet-20 first-stage activation at batch 32 (32 x 16 x 32 x 32)
+KERNEL_REPEATS = 200
+
+
+def kernel_timings() -> list[dict[str, Any]]:
+    """Torch ops against the native kernels for the emulation's two hot operations (about a second).
+
+    Empty when the kernels are not available. Both sides produce the same values (``tests/test_native.py``).
+    """
+    from adaloss.numerics import native
+
+    if not native.enabled():
+        return []
+    x = torch.randn(KERNEL_NUMEL, generator=torch.Generator().manual_seed(0)) * 1e-3
+
+    def torch_stats() -> Any:
+        r = x.to(torch.float16).to(torch.float32)
+        return r, torch.linalg.vector_norm(r), torch.aminmax(r)
+
+    pairs = [
+        ("round to FP16", lambda: x.to(torch.float16).to(torch.float32), lambda: native.round_f16(x)),
+        (
+            "round to FP16 + norm, min, max",
+            torch_stats,
+            lambda: native.grad_stats(x, round_fp16=True),
+        ),
+    ]
+    out = []
+    for op, ref, fast in pairs:
+        times: dict[str, list[float]] = {"torch": [], "native": []}
+        for _ in range(10):
+            ref(), fast()
+        for _ in range(KERNEL_REPEATS):  # alternate, so a load change hits both
+            for name, fn in (("torch", ref), ("native", fast)):
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+        out.append(
+            {
+                "op": op,
+                "torch_us": C.median(times["torch"]) * 1e6,
+                "native_us": C.median(times["native"]) * 1e6,
+            }
+        )
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ main
+
+
+def _native_status() -> str:
+    from adaloss.numerics import native
+
+    return native.status()
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -564,6 +647,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run the benchmark, print the tables to stdout (progress to stderr), write the JSON; returns it."""
     args = parse_args(argv)
+    from adaloss.utils.allocator import tune_cpu_allocator
+
+    args.malloc_tuned = tune_cpu_allocator()  # before any model is built: see the module docstring
     if args.threads < 0:
         raise SystemExit(f"error: --threads must be >= 0, got {args.threads}")
     global _CLOCK
@@ -603,6 +689,9 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         "budget_s": args.budget,
         "quick": args.quick,
         "clock": args.clock,
+        "malloc_tuned": args.malloc_tuned,
+        "native_kernels": _native_status(),
+        "kernel_timings": kernel_timings(),
         "lr": LR,
         "momentum": MOMENTUM,
         "configs": [

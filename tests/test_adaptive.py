@@ -320,22 +320,53 @@ def test_overflow_skips_step_and_recomputes_scales():
 def test_update_every_reuses_betas_between_updates(monkeypatch):
     from adaloss.adaptive import ops
 
+    # beta comes from gemm_loss_scale, or from a native kernel (with the layer's weight factors)
     calls = []
-    original = ops.gemm_loss_scale
+    original, original_native = ops.gemm_loss_scale, ops.native.grad_stats
+    original_host = ops.native.grad_beta_host
+
+    def counting_host(*args, **kwargs):
+        calls.append(1)
+        return original_host(*args, **kwargs)
 
     def counting(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
+    def counting_native(*args, **kwargs):
+        out = original_native(*args, **kwargs)
+        if out is not None and out[2] is not None:
+            calls.append(1)
+        return out
+
     monkeypatch.setattr(ops, "gemm_loss_scale", counting)
+    monkeypatch.setattr(ops.native, "grad_stats", counting_native)
+    monkeypatch.setattr(ops.native, "grad_beta_host", counting_host)
+    original_beta = ops.native.beta_host
+
+    def counting_beta(*args, **kwargs):
+        calls.append(1)
+        return original_beta(*args, **kwargs)
+
+    monkeypatch.setattr(ops.native, "beta_host", counting_beta)
     scaler = AdaptiveLossScaler(update_every=3)
     _train_steps(scaler, _cifar("resnet20"), 7)
     n_layers = len(scaler.state.gemms)
     assert len(calls) == 3 * n_layers  # steps 0, 3 and 6 recompute
 
 
-def test_no_host_sync_in_the_backward_pass(monkeypatch):
-    """Nothing in the backward pass calls .item(), .cpu() or .tolist(), on update and reuse steps alike."""
+@pytest.mark.parametrize("kernels", ["native", "torch"])
+def test_no_host_sync_in_the_backward_pass(monkeypatch, kernels):
+    """Nothing in the backward pass calls .item(), .cpu() or .tolist(), on update and reuse steps alike.
+
+    ``torch``: the native kernels off, so the pass takes the device path a GPU run takes (statistics,
+    betas and alphas as 0-dim tensors); ``native``: the CPU's host path, which must not sync either."""
+    from adaloss.numerics import native
+
+    if kernels == "torch":
+        monkeypatch.setattr(native, "_enabled", False)
+    elif not native.available():
+        pytest.skip(f"native kernels: {native.status()}")
     for update_every in (1, 2):
         scaler = AdaptiveLossScaler(update_every=update_every)
         precision = Precision("fp16", "cpu")
@@ -354,6 +385,7 @@ def test_no_host_sync_in_the_backward_pass(monkeypatch):
                 for method in ("item", "cpu", "tolist"):
                     m.setattr(torch.Tensor, method, forbidden)
                 scaled.backward()
+            assert scaler.state.host == (kernels == "native" or scaler.state.recompute is False)
             scaler.step(opt)
             scaler.update()
             opt.zero_grad()

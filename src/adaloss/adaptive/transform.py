@@ -30,7 +30,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from adaloss.adaptive.ops import AdaptiveState, BranchPoint, Rescale, ScaledGEMM
+from adaloss.adaptive.ops import AdaptiveState, BranchPoint, GradRound, Rescale, ScaledGEMM
 from adaloss.errors import ConfigError
 
 __all__ = ["AdaptiveTransformError", "AdaptiveGEMM", "BranchModule", "attach_adaptive"]
@@ -87,9 +87,8 @@ class AdaptiveGEMM(nn.Module):
         if self.pad_mode != "zeros":
             x = F.pad(x, self.layer._reversed_padding_repeated_twice, mode=self.pad_mode)
         point = self.state.gemms[point_index]
-        return ScaledGEMM.apply(
-            x, self.weight, self.bias, point, self.state, self.spec, torch.is_grad_enabled()
-        )
+        y = ScaledGEMM.apply(x, self.weight, self.bias, point, self.state, self.spec, torch.is_grad_enabled())
+        return GradRound.wrap(y, point, self.state)
 
     def extra_repr(self) -> str:
         return f"{self.layer_type}({self.layer.extra_repr()}), adaptive loss scaling"

@@ -73,6 +73,7 @@ from adaloss.precision import Precision
 from adaloss.scalers import LossScaler, build_scaler
 from adaloss.telemetry import UnderflowMonitor
 from adaloss.utils import resolved_config, schedule_length, seed_everything, select_device, validate_config
+from adaloss.utils.allocator import tune_cpu_allocator
 from adaloss.utils.seed import capture_rng_state, restore_rng_state
 
 log = logging.getLogger(__name__)
@@ -131,6 +132,8 @@ def train(cfg: DictConfig, callbacks: Sequence[StepCallback] = ()) -> dict[str, 
         ) from None
     config = resolved_config(cfg)
     device = select_device(cfg.device)
+    if device.type == "cpu":
+        tune_cpu_allocator()  # no page faults per step from malloc returning memory (utils/allocator.py)
     owns_group = not (dist.is_available() and dist.is_initialized())  # else a test's or a sweep's: keep it
     adaloss_log = logging.getLogger("adaloss")
     level = adaloss_log.level

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from adaloss.numerics.formats import FloatFormat, round_to_format
+from adaloss.numerics.formats import FloatFormat, round_to_format, round_to_format_
 
 __all__ = ["EmulatedAutocast", "active_emulation", "suspended", "Probe", "LayerNames"]
 
@@ -319,7 +319,7 @@ class _RoundInplace(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, fmt: FloatFormat, grad_fmt: FloatFormat):  # type: ignore[override]
         ctx.fmt = grad_fmt
-        x.copy_(round_to_format(x, fmt))
+        round_to_format_(x, fmt)
         ctx.mark_dirty(x)
         return x
 
@@ -493,7 +493,7 @@ class EmulatedAutocast(TorchFunctionMode):
                 if out.requires_grad and torch.is_grad_enabled():
                     out = _RoundInplace.apply(out, fmt, self.grad_fmt)
                 else:
-                    out.copy_(round_to_format(out, fmt))
+                    round_to_format_(out, fmt)
                 return mark_low_precision(out)
             return out
         if isinstance(out, torch.Tensor):

@@ -13,6 +13,7 @@ from torch import nn
 from adaloss.adaptive.ops import AdaptiveState
 from adaloss.adaptive.transform import attach_adaptive
 from adaloss.errors import ConfigError
+from adaloss.numerics import native
 from adaloss.numerics.formats import FloatFormat, get_format
 from adaloss.scalers.base import LossScaler, distributed_world_size
 
@@ -148,6 +149,7 @@ class AdaptiveLossScaler(LossScaler):
         self._pending: dict[str, Any] | None = None
         self._param_names: dict[int, str] = {}
         self._gemm_param_ids: set[int] = set()
+        self._gemm_weights: list[torch.Tensor] = []
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any], fmt: FloatFormat | None) -> AdaptiveLossScaler:
@@ -202,6 +204,9 @@ class AdaptiveLossScaler(LossScaler):
             id(p) for m in gm.modules() if type(m).__name__ == "AdaptiveGEMM" for p in m.parameters()
         }
         self._param_names = {id(p): n for n, p in gm.named_parameters()}
+        self._gemm_weights = [
+            m.weight for m in gm.modules() if type(m).__name__ == "AdaptiveGEMM" and hasattr(m, "weight")
+        ]
         return gm
 
     # ------------------------------------------------------------------ training-loop API
@@ -226,8 +231,24 @@ class AdaptiveLossScaler(LossScaler):
             recompute = self._recomputing
         else:
             recompute = False
-        self.state.start_backward(self._scale_tensor(device), recompute, root_host=self._loss_scale)
+        self.state.start_backward(
+            self._scale_tensor(device),
+            recompute,
+            root_host=self._loss_scale,
+            host_recompute=recompute and self._host_recompute_ok(device),
+        )
         return super().scale(outputs)
+
+    def _host_recompute_ok(self, device: torch.device) -> bool:
+        """Whether a recompute pass can run on host floats (see ``AdaptiveState.start_backward``): a CPU
+        run with float32 GEMM weights, the native kernels available and no cross-rank reduction. There is
+        no device to wait for on the CPU, so reading the kernels' results as floats costs no sync."""
+        return (
+            device.type == "cpu"
+            and self.state.reduce_fn is None
+            and native.enabled()
+            and all(w.dtype == torch.float32 and w.device.type == "cpu" for w in self._gemm_weights)
+        )
 
     def _unscale_grads_(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """Check every gradient for Inf/NaN; divide non-GEMM parameters' gradients by their alpha.
@@ -298,8 +319,8 @@ class AdaptiveLossScaler(LossScaler):
             self._set_loss_scale(min(self._loss_scale * 2.0, self._init_scale))
             self._clean_steps = 0
             self._force_recompute = True
-        if state is not None and self._recomputing and self.update_every > 1:
-            self._fetch_host_copies()
+        if state is not None and self._recomputing and self.update_every > 1 and not state.host:
+            self._fetch_host_copies()  # (a host recompute pass filled the host copies as it went)
 
     def _fetch_host_copies(self) -> None:
         state = self.state
