@@ -421,19 +421,8 @@ def _conv_transpose_forward(x, w, b, spec):
 
 
 def _conv_backward(grad, x, w, spec, mask):
-    return torch.ops.aten.convolution_backward.default(
-        grad,
-        x,
-        w,
-        None,
-        spec["stride"],
-        spec["padding"],
-        spec["dilation"],
-        spec["transposed"],
-        spec["output_padding"],
-        spec["groups"],
-        mask,
-    )
+    # ``.default`` skips the overload resolution of the packet (a few microseconds per call)
+    return torch.ops.aten.convolution_backward.default(grad, x, w, None, *spec["backward_args"], mask)
 
 
 class ScaledGEMM(torch.autograd.Function):
@@ -468,12 +457,13 @@ class ScaledGEMM(torch.autograd.Function):
         # With a gradient format, GradRound (applied to this op's output by AdaptiveGEMM) rounds the incoming
         # gradient and feeds the probe; without one (FP32 telemetry) the probe is fed here.
         ctx.grad_fmt = emu.grad_fmt if emu is not None else None
+        ctx.fp16 = ctx.grad_fmt is not None and ctx.grad_fmt.dtype is torch.float16
         ctx.probe = emu.probe_for(point.name) if emu is not None and ctx.grad_fmt is None else None
         ctx.point, ctx.state, ctx.spec = point, state, spec
         ctx.x_dtype = x.dtype
         ctx.w_dtype = weight.dtype  # the master weight's dtype: unscaled gradients are returned in it
         dtype = None
-        if x.device.type == "cuda" and torch.is_autocast_enabled("cuda"):
+        if x.is_cuda and torch.is_autocast_enabled("cuda"):
             dtype = torch.get_autocast_dtype("cuda")
         if dtype is not None:
             x, weight = x.to(dtype), weight.to(dtype)
@@ -573,13 +563,13 @@ class ScaledGEMM(torch.autograd.Function):
     @staticmethod
     def _gradients(ctx, delta, x, w, alpha_j, beta, beta_is_one):
         """Input, weight and bias gradients from the (rounded) ``delta`` and the layer's beta."""
-        point, state, spec, grad_fmt = ctx.point, ctx.state, ctx.spec, ctx.grad_fmt
+        point, state, spec, grad_fmt, fp16 = ctx.point, ctx.state, ctx.spec, ctx.grad_fmt, ctx.fp16
         grad_x = grad_w = grad_b = None
-        need_x = ctx.needs_input_grad[0]
-        need_w = ctx.needs_input_grad[1] or (ctx.has_bias and ctx.needs_input_grad[2])
+        needs = ctx.needs_input_grad
+        need_x = needs[0]
+        need_w = needs[1] or (ctx.has_bias and needs[2])
         # Paper: "beta is used to scale W before computing the scaled input activation gradients"; this
         # equals Backprop(beta * delta) and touches only weight-sized data.
-        fp16 = grad_fmt is not None and grad_fmt.dtype is torch.float16
         if not need_x or beta_is_one:
             w_scaled = w
         else:
@@ -602,7 +592,8 @@ class ScaledGEMM(torch.autograd.Function):
                 delta, x, w_scaled, spec, [need_x, need_w, need_w and ctx.has_bias]
             )
         if need_x:
-            grad_x = grad_x.to(ctx.x_dtype)
+            if grad_x.dtype is not ctx.x_dtype:
+                grad_x = grad_x.to(ctx.x_dtype)
             if point.feeds is not None:
                 state.fresh[point.feeds] = grad_x
         if need_w:
@@ -645,6 +636,7 @@ class GradRound(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, state, grad_fmt, probe):  # type: ignore[override]
         ctx.state, ctx.grad_fmt, ctx.probe = state, grad_fmt, probe
+        ctx.fp16 = grad_fmt.dtype is torch.float16
         with torch._C.DisableTorchFunction():
             out = y.view_as(y)
             mark_low_precision(out)
@@ -652,6 +644,10 @@ class GradRound(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
+        if ctx.fp16 and ctx.probe is None and not ctx.state.recompute:  # the common case: just round
+            rounded = native.round_f16(grad)
+            if rounded is not None:
+                return rounded, None, None, None
         with torch._C.DisableTorchFunction():
             state, fmt = ctx.state, ctx.grad_fmt
             rounded = stats = None

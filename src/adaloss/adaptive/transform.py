@@ -125,7 +125,7 @@ def _layer_spec(layer: nn.Module, path: str) -> dict[str, Any]:
                     "adaptive scaler does not support: give explicit integer padding"
                 )
             padding = tuple(t // 2 for t in total)
-    return {
+    spec = {
         "kind": "conv_transpose" if isinstance(layer, _CONV_T) else "conv",
         "dims": dims,
         "stride": tuple(layer.stride),
@@ -135,6 +135,16 @@ def _layer_spec(layer: nn.Module, path: str) -> dict[str, Any]:
         "transposed": isinstance(layer, _CONV_T),
         "output_padding": tuple(layer.output_padding) if isinstance(layer, _CONV_T) else (0,) * dims,
     }
+    # the arguments aten.convolution_backward takes after (grad, input, weight, bias_sizes), in its order
+    spec["backward_args"] = (
+        spec["stride"],
+        spec["padding"],
+        spec["dilation"],
+        spec["transposed"],
+        spec["output_padding"],
+        spec["groups"],
+    )
+    return spec
 
 
 def _is_nondiff_use(user: fx.Node, node: fx.Node) -> bool:

@@ -186,12 +186,12 @@ def enabled() -> bool:
 def _eligible(x: torch.Tensor) -> bool:
     return (
         _enabled
-        and x.dtype == torch.float32
-        and x.device.type == "cpu"
+        and (_lib is not None or (not _tried and _load() is not None))
+        and x.dtype is torch.float32
+        and x.is_cpu
         and x.numel() >= MIN_NUMEL
         and x.is_contiguous()
         and not (x.requires_grad and torch.is_grad_enabled())
-        and (_lib if _tried else _load()) is not None
     )
 
 
@@ -232,10 +232,7 @@ def grad_stats(
     if not _eligible(x):
         return None
     if factors is not None and not (
-        factors.dtype == torch.float32
-        and factors.device.type == "cpu"
-        and factors.numel() == 3
-        and factors.is_contiguous()
+        factors.dtype == torch.float32 and factors.is_cpu and factors.numel() == 3 and factors.is_contiguous()
     ):
         return None
     v = torch.empty_like(x, memory_format=torch.contiguous_format) if round_fp16 else x
@@ -282,7 +279,7 @@ def grad_beta_host(
 
 
 def _host_tensor(x: torch.Tensor, what: str) -> torch.Tensor:
-    if _lib is None or x.dtype != torch.float32 or x.device.type != "cpu":
+    if _lib is None or x.dtype != torch.float32 or not x.is_cpu:
         raise RuntimeError(f"{what} needs the native kernels and a float32 CPU tensor")
     x = x.detach()
     return x if x.is_contiguous() else x.contiguous()
@@ -329,7 +326,7 @@ def weight_factors(weights: list[torch.Tensor], consts: list[float], u_max: floa
     if not (_enabled and available()) or not weights:
         return None
     for w in weights:
-        if w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous() or w.numel() == 0:
+        if w.dtype != torch.float32 or not w.is_cpu or not w.is_contiguous() or w.numel() == 0:
             return None
     n = len(weights)
     ptrs = (ctypes.c_void_p * n)(*(w.data_ptr() for w in weights))

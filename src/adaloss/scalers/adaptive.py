@@ -247,7 +247,7 @@ class AdaptiveLossScaler(LossScaler):
             device.type == "cpu"
             and self.state.reduce_fn is None
             and native.enabled()
-            and all(w.dtype == torch.float32 and w.device.type == "cpu" for w in self._gemm_weights)
+            and all(w.dtype == torch.float32 and w.is_cpu for w in self._gemm_weights)
         )
 
     def _unscale_grads_(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
