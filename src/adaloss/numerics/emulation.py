@@ -26,8 +26,9 @@ inside a fused CUDA kernel (e.g. cuDNN batch norm) may keep intermediates in FP3
 too; ops we classify wrongly would only differ by one rounding. (3) Gradients that autograd sums at a branch
 are summed in FP32 and rounded once where the branch's producer rounds them.
 
-Cost: one rounding pass (two casts) per stored tensor and a small Python overhead per op call; see
-``make bench`` for the measured ratio against FP32.
+Cost: one rounding pass per stored tensor (the native kernel of :mod:`adaloss.numerics.native` for FP16 on
+the CPU, else two casts) and a small Python overhead per op call; see ``make bench`` for the measured ratio
+against FP32.
 """
 
 from __future__ import annotations
