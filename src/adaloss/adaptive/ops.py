@@ -22,10 +22,10 @@ On update steps the scaler copies all betas, branch factors and branch alphas to
 per ``update_every`` steps); on the other steps the ops run on those host copies: every alpha is a Python
 float, so no scalar device op runs at all, multiplications by exactly 1 are skipped and the rest take
 Python scalars. On the CPU there is no device to wait for, so with the native kernels
-(:mod:`adaloss.numerics.native`) a recompute pass runs on host floats as well: each GEMM point's single
-kernel pass over its incoming gradient rounds it, takes its statistics and returns beta as a float, and each
-branch point's kernel pass returns its inputs' maxima; the device tensors are filled alongside for
-checkpoints and telemetry.
+(:mod:`adaloss.numerics.native`) a recompute pass runs on host floats as well: one kernel pass over each
+GEMM point's incoming gradient rounds it and takes its statistics (in :class:`GradRound`), a native call
+turns them into beta as a float, and each branch point's kernel pass returns its inputs' maxima; the device
+tensors are filled alongside for checkpoints and telemetry.
 
 Where the time goes (emulated FP16 on the CPU, measured against the dynamic scaler): on a recompute step,
 one pass over each incoming gradient that also does the FP16 rounding the dynamic scaler does anyway (with
