@@ -320,34 +320,19 @@ def test_overflow_skips_step_and_recomputes_scales():
 def test_update_every_reuses_betas_between_updates(monkeypatch):
     from adaloss.adaptive import ops
 
-    # beta comes from gemm_loss_scale, or from a native kernel (with the layer's weight factors)
+    # beta comes from gemm_loss_scale (device path) or native.beta_host (host recompute pass on the CPU)
     calls = []
-    original, original_native = ops.gemm_loss_scale, ops.native.grad_stats
-    original_host = ops.native.grad_beta_host
-
-    def counting_host(*args, **kwargs):
-        calls.append(1)
-        return original_host(*args, **kwargs)
+    original, original_beta = ops.gemm_loss_scale, ops.native.beta_host
 
     def counting(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    def counting_native(*args, **kwargs):
-        out = original_native(*args, **kwargs)
-        if out is not None and out[2] is not None:
-            calls.append(1)
-        return out
-
-    monkeypatch.setattr(ops, "gemm_loss_scale", counting)
-    monkeypatch.setattr(ops.native, "grad_stats", counting_native)
-    monkeypatch.setattr(ops.native, "grad_beta_host", counting_host)
-    original_beta = ops.native.beta_host
-
     def counting_beta(*args, **kwargs):
         calls.append(1)
         return original_beta(*args, **kwargs)
 
+    monkeypatch.setattr(ops, "gemm_loss_scale", counting)
     monkeypatch.setattr(ops.native, "beta_host", counting_beta)
     scaler = AdaptiveLossScaler(update_every=3)
     _train_steps(scaler, _cifar("resnet20"), 7)

@@ -129,6 +129,18 @@ def test_ineligible_tensors_fall_back_to_torch_with_the_same_result(make):
     assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out.nan_to_num(), ref.nan_to_num())
 
 
+def test_grad_stats_always_takes_strided_and_small_float32_tensors():
+    """The host recompute pass must never fall back: ``always=True`` copies a strided tensor first."""
+    for x in (_random_wide(20_000, seed=7)[::2], _random_wide(10, seed=8)):
+        v, stats = native.grad_stats(x, True, always=True)
+        ref = x.to(torch.float16).float()
+        assert _bits_equal(ref, v)
+        lo, hi = ref.aminmax()
+        assert stats[1] == lo.abs() and stats[2] == hi.abs()
+    with pytest.raises(RuntimeError, match="float32 CPU"):
+        native.grad_stats(torch.ones(100, dtype=torch.float64), True, always=True)
+
+
 def test_disabled_context_uses_torch():
     x = _random_wide(10_000)
     with native.disabled():
@@ -139,8 +151,9 @@ def test_disabled_context_uses_torch():
 @pytest.mark.parametrize("round_fp16", [True, False])
 def test_grad_stats_match_torch_reductions(round_fp16):
     x = torch.randn(300_001, generator=torch.Generator().manual_seed(3)) * 1e-3
-    v, stats, beta = native.grad_stats(x, round_fp16)
-    assert beta is None
+    out = native.grad_stats(x, round_fp16)
+    assert len(out) == 2
+    v, stats = out
     ref_v = x.to(torch.float16).float() if round_fp16 else x
     assert torch.equal(v, ref_v) and (v is x) == (not round_fp16)
     lo, hi = ref_v.aminmax()
@@ -152,13 +165,13 @@ def test_grad_stats_match_torch_reductions(round_fp16):
 def test_grad_stats_propagate_nan_and_inf():
     x = torch.randn(10_000)
     x[1234] = float("nan")
-    _, stats, _ = native.grad_stats(x, True)
+    _, stats = native.grad_stats(x, True)
     assert stats.isnan().all()
     x[1234] = float("inf")
-    _, stats, _ = native.grad_stats(x, False)
+    _, stats = native.grad_stats(x, False)
     assert stats[0] == float("inf") and stats[2] == float("inf")
     x[1234] = 70000.0  # finite in FP32, infinite once rounded to FP16
-    _, stats, _ = native.grad_stats(x, True)
+    _, stats = native.grad_stats(x, True)
     assert stats[2] == float("inf")
 
 
@@ -178,7 +191,9 @@ def test_kernel_beta_equals_gemm_loss_scale(allow_below_one):
         if i == 1:
             delta[0, 0, 0, 0] = float("nan")
         factors = ops.weight_factors([w], [delta.numel()], fp16.u_min, fp16.u_max, 1e-3)[0]
-        _, _, beta = native.grad_stats(delta, False, factors, allow_below_one)
+        _, stats = native.grad_stats(delta, False)
+        beta, beta_float = native.beta_host(factors, stats, allow_below_one)
+        assert beta_float == float(beta)
         with native.disabled():
             ref = ops.gemm_loss_scale(
                 w, delta, fp16.u_min, fp16.u_max, 1e-3, allow_below_one, factors=factors

@@ -174,7 +174,7 @@ def gemm_loss_scale(
     if factors is None:
         factors = weight_factors([weight], [n_g], u_min, u_max, t_uf)[0]
     if stats is None:
-        fused = native.grad_stats(delta, round_fp16=False)
+        fused = native.grad_stats(delta, round_fp16=False)  # one native pass for a float32 CPU tensor
         stats = fused[1] if fused is not None else None
     if stats is None:
         red = None if delta.dtype in (torch.float32, torch.float64) else torch.float32
@@ -331,8 +331,8 @@ class AdaptiveState:
 
         ``host_recompute`` (the scaler sets it for a float32 model on the CPU with the native kernels, no
         distributed reduction, and ``root_host`` given): a recompute pass runs on host floats too. Each
-        GEMM point's kernel pass returns its beta as a float (:func:`adaloss.numerics.native.grad_beta_host`)
-        and each branch point its inputs' maxima, so the alphas are floats and no 0-dim tensor op runs; the
+        GEMM point gets its beta as a float (:func:`adaloss.numerics.native.beta_host`) and each branch
+        point its inputs' maxima, so the alphas are floats and no 0-dim tensor op runs; the
         device tensors and host copies are filled as the pass goes, so nothing needs fetching afterwards.
         """
         self.alpha = [None] * self.num_slots
@@ -516,12 +516,9 @@ class ScaledGEMM(torch.autograd.Function):
             factors = state.factors_for(k, delta)
             if factors is None:
                 factors = weight_factors([w], [delta.numel()], state.u_min, state.u_max, state.t_uf)[0]
-            if stats is not None:
-                beta_t, beta = native.beta_host(factors, stats, state.allow_below_one)
-            else:
-                _, beta_t, beta = native.grad_beta_host(
-                    delta, False, factors.float().contiguous(), state.allow_below_one
-                )
+            if stats is None:  # no GradRound before this point (no gradient format, or not FP16)
+                stats = native.grad_stats(delta, False, always=True)[1]
+            beta_t, beta = native.beta_host(factors, stats, state.allow_below_one)
             state.beta[k] = beta_t
             state.beta_host[k] = beta
             state.alpha[point.out_slot] = alpha_j * beta
@@ -532,26 +529,17 @@ class ScaledGEMM(torch.autograd.Function):
             beta_is_one = beta == 1.0
         else:
             if state.recompute or state.beta[k] is None:
-                factors = None if state.reduce_fn is not None else state.factors_for(k, delta)
-                beta = None
-                if stats is None:  # one native pass for a float32 CPU gradient (with factors: beta too)
-                    fused = native.grad_stats(
-                        delta, round_fp16=False, factors=factors, allow_below_one=state.allow_below_one
-                    )
-                    if fused is not None:
-                        stats, beta = fused[1], fused[2]
-                if beta is None:
-                    beta = gemm_loss_scale(
-                        w,
-                        delta,
-                        state.u_min,
-                        state.u_max,
-                        state.t_uf,
-                        state.allow_below_one,
-                        state.reduce_fn,
-                        factors=factors,
-                        stats=stats,
-                    )
+                beta = gemm_loss_scale(
+                    w,
+                    delta,
+                    state.u_min,
+                    state.u_max,
+                    state.t_uf,
+                    state.allow_below_one,
+                    state.reduce_fn,
+                    factors=None if state.reduce_fn is not None else state.factors_for(k, delta),
+                    stats=stats,
+                )
                 state.beta[k] = beta
             else:
                 beta = state.beta[k]
@@ -652,12 +640,9 @@ class GradRound(torch.autograd.Function):
             state, fmt = ctx.state, ctx.grad_fmt
             rounded = stats = None
             if state.recompute and fmt.dtype is torch.float16 and grad.dtype == torch.float32:
-                if state.host:
-                    rounded, stats = native.grad_stats_host(grad, True)
-                else:
-                    fused = native.grad_stats(grad, round_fp16=True)
-                    if fused is not None:
-                        rounded, stats = fused[0], fused[1]
+                fused = native.grad_stats(grad, True, always=state.host)
+                if fused is not None:
+                    rounded, stats = fused
             if rounded is None:
                 rounded = round_to_format(grad, fmt)
             if ctx.probe is not None:

@@ -17,7 +17,7 @@
 
 #define TARGET __attribute__((target("avx2,fma,f16c")))
 
-int adaloss_fast_abi(void) { return 7; }
+int adaloss_fast_abi(void) { return 8; }
 
 /* Whether this CPU has the instructions the kernels use (checked once by the loader). */
 int adaloss_cpu_ok(void) {
@@ -141,14 +141,9 @@ float adaloss_beta(const float *factors, const float *stats, int allow_below_one
 }
 
 /* One pass over a gradient for Algorithm 4. Reads x[0:n]; if do_round, writes fp16(x) to y (which may be x)
- * and takes the statistics of the rounded values. Writes stats[0:3] = [||v||, |min v|, |max v|]; if factors
- * is not NULL (the layer's [P0, P1, P1], see weight_factors), also beta[0]. */
-TARGET float adaloss_grad_stats(const float *x, float *y, int64_t n, int do_round, const float *factors,
-                                int allow_below_one, float *stats, float *beta) {
+ * and takes the statistics of the rounded values. Writes stats[0:3] = [||v||, |min v|, |max v|]. */
+TARGET void adaloss_grad_stats(const float *x, float *y, int64_t n, int do_round, float *stats) {
     stats_impl(x, y, n, stats, do_round);
-    if (!factors) return NAN;
-    beta[0] = beta_from(factors, stats, allow_below_one);
-    return beta[0];
 }
 
 /* max |x| over x[0:n] (NaN if any element is NaN; 0 for n == 0): Algorithm 5's statistic of a branch input. */

@@ -43,9 +43,7 @@ __all__ = [
     "beta_host",
     "disabled",
     "enabled",
-    "grad_beta_host",
     "grad_stats",
-    "grad_stats_host",
     "max_abs_host",
     "round_f16",
     "status",
@@ -56,7 +54,7 @@ log = logging.getLogger(__name__)
 
 # Below this many elements the ctypes call saves nothing over torch's casts; keep those.
 MIN_NUMEL = 64
-_ABI = 7
+_ABI = 8
 _SOURCE = Path(__file__).with_name("_fast.c")
 
 _lock = threading.Lock()
@@ -143,8 +141,8 @@ def _load() -> ctypes.CDLL | None:
         lib.adaloss_round_f16.argtypes = [vp, vp, i64, ctypes.c_float, ctypes.c_float]
         lib.adaloss_round_f16.restype = None
         ci = ctypes.c_int
-        lib.adaloss_grad_stats.argtypes = [vp, vp, i64, ci, vp, ci, vp, vp]
-        lib.adaloss_grad_stats.restype = ctypes.c_float
+        lib.adaloss_grad_stats.argtypes = [vp, vp, i64, ci, vp]
+        lib.adaloss_grad_stats.restype = None
         lib.adaloss_weight_factors.argtypes = [vp, vp, vp, i64, ctypes.c_float, vp]
         lib.adaloss_weight_factors.restype = None
         lib.adaloss_beta.argtypes = [vp, vp, ci, vp]
@@ -215,67 +213,24 @@ def round_f16(
 
 
 def grad_stats(
-    x: torch.Tensor,
-    round_fp16: bool,
-    factors: torch.Tensor | None = None,
-    allow_below_one: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-    """One pass over a gradient for Algorithm 4: ``(v, stats, beta)``.
+    x: torch.Tensor, round_fp16: bool, always: bool = False
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """One pass over a gradient for Algorithm 4: ``(v, stats)``.
 
     ``v`` is ``x`` rounded to FP16 (a new tensor) if ``round_fp16``, else ``x`` itself. ``stats`` is the
     float32 3-vector ``[||v||_2, |min v|, |max v|]`` (all NaN if any value is NaN; the sum of squares is
-    accumulated in double). With ``factors`` (a layer's ``[P0, P1, P1]`` from
-    :func:`adaloss.adaptive.ops.weight_factors`, float32 on the CPU) also ``beta``, the layer's local scale
-    as a 0-dim tensor, by the same float32 steps as :func:`adaloss.adaptive.ops.gemm_loss_scale`; else None.
-    Returns None when the kernel does not apply (then use torch ops).
+    accumulated in double). Returns None when the kernel does not apply (then use torch ops), unless
+    ``always``: then any float32 CPU tensor qualifies (a non-contiguous one is copied first, no size
+    threshold), as the host recompute pass of the adaptive scaler needs; the caller checks :func:`enabled`.
     """
-    if not _eligible(x):
-        return None
-    if factors is not None and not (
-        factors.dtype == torch.float32 and factors.is_cpu and factors.numel() == 3 and factors.is_contiguous()
-    ):
+    if always:
+        x = _host_tensor(x, "grad_stats(always=True)")
+    elif not _eligible(x):
         return None
     v = torch.empty_like(x, memory_format=torch.contiguous_format) if round_fp16 else x
     stats = torch.empty(3, dtype=torch.float32)
-    beta = torch.empty((), dtype=torch.float32) if factors is not None else None
-    _lib.adaloss_grad_stats(  # type: ignore[union-attr]
-        x.data_ptr(),
-        v.data_ptr(),
-        x.numel(),
-        int(round_fp16),
-        factors.data_ptr() if factors is not None else None,
-        int(allow_below_one),
-        stats.data_ptr(),
-        beta.data_ptr() if beta is not None else None,
-    )
-    return v, stats, beta
-
-
-def grad_beta_host(
-    x: torch.Tensor, round_fp16: bool, factors: torch.Tensor, allow_below_one: bool
-) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """:func:`grad_stats` for the host recompute pass of the adaptive scaler: ``(v, beta, beta_float)``.
-
-    Unlike :func:`grad_stats` this always applies to a float32 CPU tensor (a non-contiguous one is copied
-    first; there is no size threshold), so a whole backward pass can run on it, and it also returns beta as
-    a Python float, read from the kernel's return value: on the CPU the statistics already live in host
-    memory, so this is not a device synchronization. The caller checks :func:`enabled` and the dtype.
-    """
-    x = _host_tensor(x, "grad_beta_host")
-    v = torch.empty_like(x) if round_fp16 else x
-    stats = torch.empty(3, dtype=torch.float32)
-    beta = torch.empty((), dtype=torch.float32)
-    value = _lib.adaloss_grad_stats(
-        x.data_ptr(),
-        v.data_ptr(),
-        x.numel(),
-        int(round_fp16),
-        factors.data_ptr(),
-        int(allow_below_one),
-        stats.data_ptr(),
-        beta.data_ptr(),
-    )
-    return v, beta, float(value)
+    _lib.adaloss_grad_stats(x.data_ptr(), v.data_ptr(), x.numel(), int(round_fp16), stats.data_ptr())  # type: ignore[union-attr]
+    return v, stats
 
 
 def _host_tensor(x: torch.Tensor, what: str) -> torch.Tensor:
@@ -283,19 +238,6 @@ def _host_tensor(x: torch.Tensor, what: str) -> torch.Tensor:
         raise RuntimeError(f"{what} needs the native kernels and a float32 CPU tensor")
     x = x.detach()
     return x if x.is_contiguous() else x.contiguous()
-
-
-def grad_stats_host(x: torch.Tensor, round_fp16: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(v, stats)`` as :func:`grad_stats` returns them, for any float32 CPU tensor (a non-contiguous one
-    is copied first; no size threshold), so a host recompute pass never has to fall back. The caller
-    checks :func:`enabled`."""
-    x = _host_tensor(x, "grad_stats_host")
-    v = torch.empty_like(x) if round_fp16 else x
-    stats = torch.empty(3, dtype=torch.float32)
-    _lib.adaloss_grad_stats(  # type: ignore[union-attr]
-        x.data_ptr(), v.data_ptr(), x.numel(), int(round_fp16), None, 0, stats.data_ptr(), None
-    )
-    return v, stats
 
 
 def beta_host(
