@@ -45,8 +45,9 @@ Allocator and kernels: ``main`` first applies :func:`adaloss.utils.allocator.tun
 trainer does on the CPU), so no configuration pays for glibc's malloc giving memory back to the kernel and
 faulting it in again every step; without it, which configuration took those faults (up to 1.4 million per
 step) depended on heap layout and moved ratios by several percent. The FP16 rounding and Algorithm 4's
-statistics use the native kernels (:mod:`adaloss.numerics.native`) when they could be built; the JSON's
-settings record both.
+statistics use the native kernels (:mod:`adaloss.numerics.native`) when they could be built, and every
+configuration's conv layers (and the adaptive scaler's branch points) run as the fused C++ autograd nodes of
+:mod:`adaloss.numerics.fused` when those could be built; the JSON's settings record all three.
 
 Cost: the default run keeps to ``--budget`` seconds (840 s), shared among the models; deeper models get
 fewer rounds and fewer steps per round. ``--quick`` is a seconds-long smoke run. Raw per-step timings (with
@@ -194,17 +195,11 @@ RATIO_KEYS = tuple(r.key for r in RATIOS)
 
 
 def request_recompute(scaler: Any) -> None:
-    """Make the adaptive scaler recompute its betas on the next step, as it does after an overflow.
-
-    Uses the scaler's ``_force_recompute`` flag (the only way to get a recompute step on demand without
-    running 100 steps per round); fails loudly if that internal ever changes, rather than silently timing
-    reuse steps as recompute steps. The step's actual kind is checked afterwards anyway.
-    """
-    if not hasattr(scaler, "_force_recompute"):
-        raise RuntimeError(
-            "AdaptiveLossScaler no longer has _force_recompute: update scripts/bench.py:request_recompute"
-        )
-    scaler._force_recompute = True
+    """Make the adaptive scaler recompute its betas on the next step, as it does after an overflow
+    (``AdaptiveLossScaler.recompute_next``; the only way to get a recompute step on demand without running
+    100 steps per round). Called before the step's forward pass. The step's actual kind is checked
+    afterwards anyway."""
+    scaler.recompute_next()
 
 
 class Runner:
@@ -444,7 +439,8 @@ def render(
         C.header_line(info),
         "",
         f"malloc tuned: {'yes' if settings.get('malloc_tuned') else 'no'}; native FP16 kernels: "
-        f"{settings.get('native_kernels', 'unknown')}.",
+        f"{settings.get('native_kernels', 'unknown')}; fused autograd nodes: "
+        f"{settings.get('fused_nodes', 'unknown')}.",
         "",
         "Each ratio is the median over interleaved rounds of the per-round ratio of mean step times, all "
         "configurations in one process (p25-p75 of the per-round ratios beside it; Resolved: no when the "
@@ -603,6 +599,12 @@ def _native_status() -> str:
     return native.status()
 
 
+def _fused_status() -> str:
+    from adaloss.numerics import fused
+
+    return fused.status()
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
@@ -691,6 +693,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         "clock": args.clock,
         "malloc_tuned": args.malloc_tuned,
         "native_kernels": _native_status(),
+        "fused_nodes": _fused_status(),
         "kernel_timings": kernel_timings(),
         "lr": LR,
         "momentum": MOMENTUM,

@@ -28,15 +28,20 @@ turns them into beta as a float, and each branch point's kernel pass returns its
 tensors are filled alongside for checkpoints and telemetry.
 
 Where the time goes (emulated FP16 on the CPU, measured against the dynamic scaler): on a recompute step,
-one pass over each incoming gradient that also does the FP16 rounding the dynamic scaler does anyway (with
-torch ops instead: the rounding, the norm, the min and max, about ten scalar ops), one pass per branch input
-(its max magnitude), and the weights' statistics for all layers at once (:func:`weight_factors`). On a reuse
-step only weight-sized work is added (the beta-scaled weight, the division of the weight gradient by alpha,
-each fused with its FP16 rounding into one native pass), plus a little Python per point. Two things keep the
-reuse step at the plain layer's cost: the ops run with torch-function modes disabled (under the CPU
-emulation's mode, every tensor op and even ``.dtype`` inside them would take a Python round trip), and a
-branch adds its inputs' gradients in place into the gradient a GEMM point made for it, as autograd's own
-accumulation would, instead of allocating a rescaled copy.
+one pass over each incoming gradient that also does the FP16 rounding the dynamic scaler does anyway, one
+pass per branch input (its max magnitude) and one over each weight for its statistics; on a reuse step only
+weight-sized work is added (the beta-scaled weight; the division of the weight gradient by alpha is fused
+into its rounding). In emulated FP16 on the CPU the Python nodes here are replaced by fused C++ nodes
+(:mod:`adaloss.numerics.fused`) that compute the same values: the scaler tells the forward pass which kind
+of pass follows (``AdaptiveState.fused_mode``), so on a reuse pass each layer's node carries its beta and
+``1/alpha`` as constants (:class:`ReusePlan`), and on a recompute pass the nodes compute Algorithms 4 and 5
+and pass the alphas through a shared float64 record (``AdaptiveState.arm_record``). The Python nodes remain
+the path for CUDA (where their Python time overlaps with kernel execution), distributed recompute passes,
+FP8 gradients, telemetry steps and transposed convolutions. Two things keep the Python path at the plain
+layer's cost: the ops run with torch-function modes disabled (under the CPU emulation's mode, every tensor
+op and even ``.dtype`` inside them would take a Python round trip), and a branch adds its inputs' gradients
+in place into the gradient a GEMM point made for it, as autograd's own accumulation would, instead of
+allocating a rescaled copy.
 """
 
 from __future__ import annotations
@@ -238,6 +243,24 @@ class BranchPoint:
     out_slot: int = -1
 
 
+@dataclass
+class ReusePlan:
+    """Every scale of a reuse pass, fixed before its forward pass starts (see ``AdaptiveState.arm_plan``).
+
+    Between recomputes nothing in a backward pass depends on the gradients' values: each GEMM point's
+    beta and each branch point's factors are the host copies of the last recompute, the root scale is
+    ``root``, so every slot's alpha follows (``slot_alpha``). With the scales known in the forward pass,
+    the layers and branch points can be built as fused C++ nodes that carry them as constants
+    (:mod:`adaloss.numerics.fused`): ``gemm[k]`` is point k's ``(beta, 1 / alpha_j)``, ``branch[k]`` point
+    k's factors, one per consumer.
+    """
+
+    root: float
+    slot_alpha: list[float]
+    gemm: list[tuple[float, float]]
+    branch: list[list[float]]
+
+
 class AdaptiveState:
     """Per-model state of the adaptive scaler: slots of alphas, the betas, and what the host knows of them.
 
@@ -285,6 +308,16 @@ class AdaptiveState:
         self.fresh: dict[tuple[int, int], torch.Tensor] = {}
         # statistics GradRound took of a rounded gradient, keyed by id() of that tensor (see GradRound)
         self.grad_stats: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Fused C++ nodes (CPU, emulated FP16; see ``arm_plan`` and ``arm_record``): which kind the next
+        # forward pass may build ("reuse" with ``plan``, "recompute" with ``record``; set by the scaler),
+        # and which kind a forward pass did build since the last ``start_backward``.
+        self.fused_mode: str | None = None
+        self.fused_built: str | None = None
+        self.plan: ReusePlan | None = None
+        self.record: torch.Tensor | None = None
+        self.record_where: dict[str, Any] = {}
+        self.record_consts: tuple[float, float, float] = (u_min, u_max, _erfinv_factor(t_uf))
+        self._record_pending = False
 
     def new_slot(self) -> int:
         self.num_slots += 1
@@ -309,10 +342,99 @@ class AdaptiveState:
         return point
 
     def drop_host_copies(self) -> None:
-        """Forget the host copies (the device betas are about to change, or did)."""
+        """Forget the host copies (the device betas are about to change, or did), and the plan."""
         self.beta_host = None
         self.branch_factors_host = None
         self.branch_alpha_host = None
+        self.plan = None
+        if self.fused_mode == "reuse":
+            self.fused_mode = None
+
+    def arm_plan(self, root: float) -> ReusePlan | None:
+        """Fix the scales of the next pass from the host copies, for a forward pass that will be followed
+        by a reuse pass with root scale ``root``; sets and returns ``self.plan``. None (the Python nodes
+        run) when a point was not reached by the last pass or a scale is not a power of two (dividing
+        by it would not be exact as a multiplication by its reciprocal)."""
+        self.plan = None
+        self.fused_mode = None
+        if self.beta_host is None or self.branch_factors_host is None or self.branch_alpha_host is None:
+            return None
+        if any(f is None for f in self.branch_factors_host) or any(a is None for a in self.branch_alpha_host):
+            return None
+        slot: list[float | None] = [None] * self.num_slots
+        slot[0] = float(root)
+        for b in self.branches:
+            slot[b.out_slot] = self.branch_alpha_host[b.index]
+        pending = list(self.gemms)
+        while pending:  # a GEMM point's alpha is its input's times its beta: resolve in dependency order
+            left = [p for p in pending if p.in_slot < 0 or slot[p.in_slot] is None]
+            for p in pending:
+                if p.in_slot >= 0 and slot[p.in_slot] is not None:
+                    slot[p.out_slot] = slot[p.in_slot] * self.beta_host[p.index]
+            if len(left) == len(pending):
+                return None  # a point whose incoming scale is unknown
+            pending = left
+        gemm = []
+        for p in self.gemms:
+            alpha_j, beta = slot[p.in_slot], self.beta_host[p.index]
+            if not (_is_pow2(alpha_j) and _is_pow2(beta)):
+                return None
+            gemm.append((beta, 1.0 / alpha_j))
+        if any(a is None for a in slot):
+            return None
+        branch = [list(f) for f in self.branch_factors_host]
+        self.plan = ReusePlan(float(root), slot, gemm, branch)  # type: ignore[arg-type]
+        self.fused_mode = "reuse"
+        return self.plan
+
+    def arm_record(self) -> None:
+        """Let the next forward pass build fused nodes that recompute the scales on host floats (the
+        CPU counterpart of the host recompute pass, see ``start_backward``). They share ``record``, a
+        float64 CPU tensor: every slot's alpha (NaN until reached), then each GEMM point's beta, then per
+        branch point its common alpha, its factors and its incoming alphas; ``record_where`` says where.
+        ``sync_record`` copies what a pass wrote into the usual fields."""
+        self.plan = None
+        if self.record is None:
+            at = self.num_slots
+            gemm = []
+            for p in self.gemms:
+                gemm.append((p.in_slot, p.out_slot, at, int(self.allow_below_one)))
+                at += 1
+            branch = []
+            for b in self.branches:
+                n = len(b.in_slots)
+                branch.append([b.out_slot, at, at + 1, at + 1 + n, *b.in_slots])
+                at += 1 + 2 * n
+            self.record = torch.full((at,), math.nan, dtype=torch.float64)
+            self.record_where = {"gemm": gemm, "branch": branch}
+        self.fused_mode = "recompute"
+
+    def sync_record(self) -> None:
+        """After a pass of fused recompute nodes: the alphas, betas and branch results they wrote into
+        ``record``, copied into ``alpha``, the host copies and the device (CPU) tensors, as the Python host
+        recompute pass would have left them. A no-op otherwise. No host sync (a CPU tensor)."""
+        if not self._record_pending:
+            return
+        self._record_pending = False
+        vals = self.record.tolist()  # type: ignore[union-attr]
+        self.alpha = [None if math.isnan(v) else v for v in vals[: self.num_slots]]
+        for p, (_, _, at, _) in zip(self.gemms, self.record_where["gemm"], strict=True):
+            if not math.isnan(vals[at]):
+                self.beta_host[p.index] = vals[at]  # type: ignore[index]
+                self.beta[p.index] = torch.tensor(vals[at], dtype=torch.float32)
+        for b, where in zip(self.branches, self.record_where["branch"], strict=True):
+            common = vals[where[1]]
+            if math.isnan(common):
+                continue
+            n = len(b.in_slots)
+            full = vals[where[2] : where[2] + n]
+            alphas = [a for a in vals[where[3] : where[3] + n] if not math.isnan(a)]
+            k = b.index
+            self.branch_alpha_host[k] = common  # type: ignore[index]
+            self.branch_factors_host[k] = full  # type: ignore[index]
+            self.branch_alpha[k] = torch.tensor(common, dtype=torch.float32)
+            self.branch_factors[k] = torch.tensor(full, dtype=torch.float32)
+            self.branch_rescaled[k] = (torch.tensor(alphas, dtype=torch.float32), self.branch_alpha[k])
 
     def start_backward(
         self,
@@ -335,10 +457,48 @@ class AdaptiveState:
         point its inputs' maxima, so the alphas are floats and no 0-dim tensor op runs; the
         device tensors and host copies are filled as the pass goes, so nothing needs fetching afterwards.
         """
+        self.sync_record()  # a previous pass of fused recompute nodes (gradient accumulation)
         self.alpha = [None] * self.num_slots
         self._weight_factors = None
         self.fresh = {}
         self.grad_stats = {}
+        built, self.fused_built = self.fused_built, None
+        if built == "reuse":
+            # The forward pass built fused nodes that carry the plan's scales: this pass reuses them.
+            plan = self.plan
+            if plan is None or recompute or root_host is None or float(root_host) != plan.root:
+                raise RuntimeError(
+                    "adaptive loss scaling: the forward pass was built for a step that reuses the scales, "
+                    "but this backward pass would recompute them (was load_state_dict() or the loss scale "
+                    "changed between the forward pass and scale()?); run the forward pass again"
+                )
+            self.recompute = False
+            self.host = True
+            self.alpha = list(plan.slot_alpha)
+            return
+        if built == "recompute":
+            # The forward pass built fused nodes that compute the scales into ``record``.
+            if not (recompute and host_recompute and root_host is not None):
+                raise RuntimeError(
+                    "adaptive loss scaling: the forward pass was built for a step that recomputes the "
+                    "scales, but this backward pass would reuse them (was load_state_dict() called between "
+                    "the forward pass and scale()?); run the forward pass again"
+                )
+            self.recompute = True
+            self.host = True
+            self.drop_host_copies()
+            self.beta_host = [1.0] * len(self.beta)
+            self.branch_factors_host = [None] * len(self.branches)
+            self.branch_alpha_host = [None] * len(self.branches)
+            self.beta = [None] * len(self.beta)
+            self.branch_factors = [None] * len(self.branches)
+            self.branch_alpha = [None] * len(self.branches)
+            self.fwd_weight = [None] * len(self.fwd_weight)
+            self.record.fill_(math.nan)  # type: ignore[union-attr]
+            self.record[0] = float(root_host)  # type: ignore[index]
+            self.alpha[0] = float(root_host)
+            self._record_pending = True
+            return
         if recompute or any(b is None for b in self.beta) or any(f is None for f in self.branch_factors):
             self.recompute = True
             self.drop_host_copies()

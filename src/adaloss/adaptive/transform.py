@@ -32,6 +32,8 @@ from torch import nn
 
 from adaloss.adaptive.ops import AdaptiveState, BranchPoint, GradRound, Rescale, ScaledGEMM
 from adaloss.errors import ConfigError
+from adaloss.numerics import fused
+from adaloss.numerics.emulation import active_emulation, is_low_precision, mark_low_precision
 
 __all__ = ["AdaptiveTransformError", "AdaptiveGEMM", "BranchModule", "attach_adaptive"]
 
@@ -82,13 +84,61 @@ class AdaptiveGEMM(nn.Module):
         self.layer_type = type(layer).__name__
         self.spec = _layer_spec(layer, path)
         self.pad_mode = getattr(layer, "padding_mode", "zeros")
+        self._fused_spec: Any = None  # the C++ layer description, made on first use (False: unsupported)
 
     def forward(self, x: torch.Tensor, point_index: int) -> torch.Tensor:
         if self.pad_mode != "zeros":
             x = F.pad(x, self.layer._reversed_padding_repeated_twice, mode=self.pad_mode)
+        if self.state.fused_mode is not None and torch.is_grad_enabled() and fused.enabled():
+            y = self._fused(x, point_index)
+            if y is not None:
+                return y
         point = self.state.gemms[point_index]
         y = ScaledGEMM.apply(x, self.weight, self.bias, point, self.state, self.spec, torch.is_grad_enabled())
         return GradRound.wrap(y, point, self.state)
+
+    def fusable(self) -> bool:
+        """Whether this layer has a fused C++ form (conv or linear with numeric padding; not transposed)."""
+        if self._fused_spec is None:
+            self._fused_spec = fused.gemm_spec(self.spec) or False
+        return self._fused_spec is not False
+
+    def _fused(self, x: torch.Tensor, point_index: int) -> torch.Tensor | None:
+        """In emulated FP16 on the CPU, the layer as one fused C++ node (:func:`adaloss.numerics.fused.gemm`)
+        with the values of ScaledGEMM + GradRound bit for bit: on a reuse pass it carries the plan's beta
+        and 1/alpha, on a recompute pass it computes them into the state's record. None when that does not
+        apply (no FP16 emulation, underflow telemetry on, or an unsupported layer)."""
+        state = self.state
+        emu = active_emulation()
+        if emu is None or not emu._fp16 or emu.monitor is not None or not self.fusable():
+            return None
+        with torch._C.DisableTorchFunction():  # plain attribute reads, not a round trip through the mode
+            ok = x.dtype is torch.float32 and x.is_cpu and self.weight.dtype is torch.float32
+            round_x = not is_low_precision(x)
+            if state.fused_mode == "reuse":
+                if not ok:
+                    return None
+                beta, inv_alpha = state.plan.gemm[point_index]  # type: ignore[union-attr]
+                y = fused.gemm(x, self.weight, self.bias, self._fused_spec, round_x, False, beta, inv_alpha)
+            else:
+                if not ok:  # the other points share the record: no Python node may join them
+                    raise RuntimeError(
+                        f"adaptive loss scaling: layer {state.gemms[point_index].name} got a {x.dtype} "
+                        f"{x.device.type} input in emulated FP16; set ADALOSS_FUSED=0 to use the Python nodes"
+                    )
+                y = fused.gemm(
+                    x,
+                    self.weight,
+                    self.bias,
+                    self._fused_spec,
+                    round_x,
+                    False,
+                    record=state.record,
+                    where=state.record_where["gemm"][point_index],
+                    consts=state.record_consts,
+                )
+        state.fused_built = state.fused_mode
+        return mark_low_precision(y)
 
     def extra_repr(self) -> str:
         return f"{self.layer_type}({self.layer.extra_repr()}), adaptive loss scaling"
@@ -103,7 +153,32 @@ class BranchModule(nn.Module):
         object.__setattr__(self, "state", state)
 
     def forward(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        state = self.state
+        if state.fused_mode is not None and torch.is_grad_enabled() and fused.enabled():
+            emu = active_emulation()
+            if emu is not None and emu._fp16 and emu.monitor is None:
+                outs = self._fused(xs)
+                if outs is not None:
+                    state.fused_built = state.fused_mode
+                    return tuple(mark_low_precision(o) for o in outs)
         return Rescale.apply(self.point, self.state, *xs)
+
+    def _fused(self, xs: tuple[torch.Tensor, ...]) -> list[torch.Tensor] | None:
+        """The fused C++ branch point (:func:`adaloss.numerics.fused.rescale`): the plan's factors on a
+        reuse pass, Algorithm 5 into the state's record on a recompute pass."""
+        state, k = self.state, self.point.index
+        with torch._C.DisableTorchFunction():
+            ok = all(x.dtype is torch.float32 and x.is_cpu for x in xs)
+            shared = len(xs) > 1 and all(x is xs[0] for x in xs)
+            if state.fused_mode == "reuse":
+                return fused.rescale(list(xs), state.plan.branch[k], shared) if ok else None  # type: ignore[union-attr]
+            if not ok:
+                raise RuntimeError(
+                    f"adaptive loss scaling: branch point {self.point.name} got a non-float32 or non-CPU "
+                    "input in emulated FP16; set ADALOSS_FUSED=0 to use the Python nodes"
+                )
+            where = state.record_where["branch"][k]
+            return fused.rescale(list(xs), [1.0] * len(xs), shared, state.record, where, state.u_max)
 
     def extra_repr(self) -> str:
         return f"{self.point.name}, {len(self.point.in_slots)} consumers"

@@ -32,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -79,20 +79,28 @@ def _compiler() -> str | None:
     return None
 
 
-def _build(cc: str, target: Path) -> None:
-    """Compile ``_fast.c`` into ``target`` through a temporary file in the same folder, then rename."""
+def compile_atomically(command: Callable[[str], list[str]], target: Path, timeout: float = 120) -> None:
+    """Run ``command(tmp)`` to build ``tmp`` in ``target``'s folder, then rename it to ``target``, so that
+    concurrent processes (DDP ranks, multirun jobs) never load a partial file. Raises OSError on failure."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
     os.close(fd)
     try:
-        cmd = [cc, "-O3", "-fPIC", "-shared", "-fno-math-errno", str(_SOURCE), "-o", tmp, "-lm"]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        cmd = command(tmp)
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         if res.returncode != 0:
-            raise OSError(f"{' '.join(cmd)} failed: {res.stderr.strip()[:500]}")
+            raise OSError(f"{' '.join(cmd[:2])} ... failed: {res.stderr.strip()[-800:]}")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _build(cc: str, target: Path) -> None:
+    """Compile ``_fast.c`` into ``target``."""
+    compile_atomically(
+        lambda out: [cc, "-O3", "-fPIC", "-shared", "-fno-math-errno", str(_SOURCE), "-o", out, "-lm"], target
+    )
 
 
 def _load() -> ctypes.CDLL | None:

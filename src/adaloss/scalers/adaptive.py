@@ -13,7 +13,7 @@ from torch import nn
 from adaloss.adaptive.ops import AdaptiveState
 from adaloss.adaptive.transform import attach_adaptive
 from adaloss.errors import ConfigError
-from adaloss.numerics import native
+from adaloss.numerics import fused, native
 from adaloss.numerics.formats import FloatFormat, get_format
 from adaloss.scalers.base import LossScaler, distributed_world_size
 
@@ -140,6 +140,8 @@ class AdaptiveLossScaler(LossScaler):
         self.growth_interval = growth_interval
         self._init_scale = self._loss_scale
         self.state: AdaptiveState | None = None
+        self._gemm_modules: list[nn.Module] = []
+        self._fused_ok: bool | None = None
         self._iteration = 0
         self._force_recompute = True
         self._recomputing = False
@@ -207,6 +209,9 @@ class AdaptiveLossScaler(LossScaler):
         self._gemm_weights = [
             m.weight for m in gm.modules() if type(m).__name__ == "AdaptiveGEMM" and hasattr(m, "weight")
         ]
+        self._gemm_modules = [m for m in gm.modules() if type(m).__name__ == "AdaptiveGEMM"]
+        self._fused_ok = None
+        self._arm_fused()
         return gm
 
     # ------------------------------------------------------------------ training-loop API
@@ -237,7 +242,16 @@ class AdaptiveLossScaler(LossScaler):
             root_host=self._loss_scale,
             host_recompute=recompute and self._host_recompute_ok(device),
         )
+        if recompute and self.state.fused_mode == "recompute":
+            self.state.fused_mode = None  # further passes of this iteration reuse what this one computes
         return super().scale(outputs)
+
+    def recompute_next(self) -> None:
+        """Recompute the betas on the next step, as after an overflow (for instance after changing the
+        weights by hand, or to time a recompute step). Call it before that step's forward pass: the
+        forward pass is built for the kind of step that follows (see ``_arm_fused``)."""
+        self._force_recompute = True
+        self._arm_fused()
 
     def _host_recompute_ok(self, device: torch.device) -> bool:
         """Whether a recompute pass can run on host floats (see ``AdaptiveState.start_backward``): a CPU
@@ -256,6 +270,8 @@ class AdaptiveLossScaler(LossScaler):
         One fused pass per (slot, device, dtype) group, as in ``GradScaler``. No host sync.
         """
         state = self.state
+        if state is not None:
+            state.sync_record()
         groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
         for group in optimizer.param_groups:
             for p in group["params"]:
@@ -303,6 +319,8 @@ class AdaptiveLossScaler(LossScaler):
         self._iteration += 1
         self._scaled_this_iteration = False
         state = self.state
+        if state is not None:
+            state.sync_record()
         if found_inf:
             self._force_recompute = True
             self._consecutive_overflows += 1
@@ -311,6 +329,7 @@ class AdaptiveLossScaler(LossScaler):
                 self._set_loss_scale(max(self._loss_scale / 2.0, 2.0**-24))
             if state is not None:
                 state.drop_host_copies()
+            self._arm_fused()
             return
         self._force_recompute = False
         self._consecutive_overflows = 0
@@ -321,6 +340,38 @@ class AdaptiveLossScaler(LossScaler):
             self._force_recompute = True
         if state is not None and self._recomputing and self.update_every > 1 and not state.host:
             self._fetch_host_copies()  # (a host recompute pass filled the host copies as it went)
+        self._arm_fused()
+
+    def _arm_fused(self) -> None:
+        """Tell the next forward pass which fused C++ nodes it may build (CPU, float32 weights, emulated
+        FP16; :mod:`adaloss.numerics.fused`): nodes that recompute the scales on host floats if the next
+        iteration recomputes them, else nodes carrying the scales it will reuse (see
+        ``AdaptiveState.arm_record`` and ``arm_plan``). Their forward pass must know which, because the
+        scales a reuse pass applies are built into its nodes."""
+        state = self.state
+        if state is None:
+            return
+        state.plan, state.fused_mode = None, None
+        if not self._fusable():
+            return
+        if self._force_recompute or self._iteration % self.update_every == 0:
+            if state.reduce_fn is None:
+                state.arm_record()
+        elif self.update_every > 1:
+            state.arm_plan(self._loss_scale)
+
+    def _fusable(self) -> bool:
+        if self._fused_ok is None:
+            self._fused_ok = (
+                fused.available()
+                and all(m.fusable() for m in self._gemm_modules)
+                and all(w.dtype == torch.float32 and w.is_cpu for w in self._gemm_weights)
+            )
+        return self._fused_ok and fused.enabled()
+
+    def _set_loss_scale(self, value: float) -> None:
+        super()._set_loss_scale(value)
+        self._arm_fused()  # a reuse plan is built on the root scale
 
     def _fetch_host_copies(self) -> None:
         state = self.state
@@ -354,6 +405,7 @@ class AdaptiveLossScaler(LossScaler):
         """``{branch: whether its incoming gradients had different alphas}`` at the last recompute."""
         if self.state is None:
             return {}
+        self.state.sync_record()
         out = {}
         for point in self.state.branches:
             flag = self.state.rescaled(point.index)
@@ -368,6 +420,7 @@ class AdaptiveLossScaler(LossScaler):
     def _per_layer(self, pick) -> dict[str, float]:
         if self.state is None:
             return {}
+        self.state.sync_record()
         names, values = [], []
         for point in self.state.gemms:
             v = pick(point)
@@ -385,6 +438,8 @@ class AdaptiveLossScaler(LossScaler):
 
     def _extra_state(self) -> dict[str, Any]:
         state = self.state
+        if state is not None:
+            state.sync_record()
         extra: dict[str, Any] = {
             "iteration": self._iteration,
             "force_recompute": self._force_recompute,
@@ -429,6 +484,7 @@ class AdaptiveLossScaler(LossScaler):
         self._consecutive_overflows = int(saved.get("consecutive_overflows", 0))
         self._clean_steps = int(saved.get("clean_steps", 0))
         self._init_scale = float(saved.get("init_scale", self._init_scale))
+        self._arm_fused()  # the scales and the iteration changed
         if "betas" in saved:
             self._pending = {
                 k: saved.get(k)

@@ -1,0 +1,232 @@
+"""The fused C++ autograd nodes: the same numbers as the Python nodes, and the plan they are built from."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+
+from adaloss.models import build_model
+from adaloss.numerics import fused, get_format
+from adaloss.numerics.emulation import EmulatedAutocast
+from adaloss.scalers import build_scaler
+from adaloss.scalers.adaptive import AdaptiveLossScaler
+
+FP16 = get_format("fp16")
+pytestmark = pytest.mark.skipif(not fused.available(), reason=f"fused nodes: {fused.status()}")
+
+
+def _half(t: torch.Tensor) -> torch.Tensor:
+    return t.half().float()
+
+
+def _train(scaler, steps: int, model_cfg: dict | None = None, batch: int = 8, record=None):
+    torch.manual_seed(0)
+    cfg = model_cfg or {"name": "resnet20", "depth": 20}
+    model = build_model(OmegaConf.create(cfg), 10)
+    if hasattr(scaler, "attach"):
+        model = scaler.attach(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x = torch.randn(batch, 3, 32, 32, generator=g)
+        y = torch.randint(0, 10, (batch,), generator=g)
+        with EmulatedAutocast(FP16):
+            loss = F.cross_entropy(model(x), y)
+        if record is not None:
+            record(scaler)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_gemm_node_equals_rounding_by_hand():
+    """Forward: FP16 input, weight, bias and output; backward: FP16 incoming gradient, input gradient from
+    beta * W, weight and bias gradients in FP16 times 1/alpha, input gradient rounded when asked."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, 10, 10, requires_grad=True)
+    w = (torch.randn(16, 8, 3, 3) * 1e-3).requires_grad_()
+    b = torch.randn(16, requires_grad=True)
+    spec = fused.gemm_spec(dict(kind="conv", stride=(2, 2), padding=(1, 1), dilation=(1, 1), groups=1))
+    y = fused.gemm(x, w, b, spec, True, True, 4.0, 0.25)
+    g = torch.randn_like(y) * 1e-6
+    y.backward(g)
+    xr, wr, br = _half(x.detach()), _half(w.detach()), _half(b.detach())
+    assert torch.equal(y, _half(F.conv2d(xr, wr, br, 2, 1)))
+    gx, gw, gb = torch.ops.aten.convolution_backward(
+        _half(g), xr, _half(wr * 4), [16], [2, 2], [1, 1], [1, 1], False, [0, 0], 1, [True, True, True]
+    )
+    assert torch.equal(x.grad, _half(gx))
+    assert torch.equal(w.grad, _half(gw) * 0.25)
+    assert torch.equal(b.grad, _half(gb) * 0.25)
+    # the incoming gradient stays untouched when the caller still holds it
+    assert not torch.equal(g, _half(g))
+
+
+def test_linear_node_equals_rounding_by_hand():
+    torch.manual_seed(0)
+    x = torch.randn(6, 5, requires_grad=True)
+    w = torch.randn(3, 5, requires_grad=True)
+    b = torch.randn(3, requires_grad=True)
+    y = fused.gemm(x, w, b, fused.gemm_spec({"kind": "linear"}), False, False, 2.0, 0.5)
+    g = torch.randn(6, 3)
+    y.backward(g)
+    assert torch.equal(y, _half(F.linear(x.detach(), _half(w.detach()), _half(b.detach()))))
+    gr = _half(g)
+    assert torch.equal(x.grad, gr.matmul(_half(w.detach()) * 2))
+    assert torch.equal(w.grad, _half(gr.t().matmul(x.detach())) * 0.5)
+    assert torch.equal(b.grad, _half(gr.sum(0)) * 0.5)
+
+
+@pytest.mark.parametrize("factors", [[1.0, 8.0], [4.0, 1.0], [2.0, 4.0], [1.0, 1.0]])
+def test_rescale_sums_the_rescaled_gradients(factors):
+    a = torch.randn(5, 100, requires_grad=True)
+    o1, o2 = fused.rescale([a, a], factors, True)
+    (o1.exp() + 3 * o2).sum().backward()
+    assert torch.equal(a.grad, a.detach().exp() * factors[0] + 3 * factors[1])
+
+
+def test_rescale_of_separate_outputs_scales_each():
+    a = torch.randn(4, 10, requires_grad=True)
+    lo, hi = a.split(5, dim=1)
+    o1, o2 = fused.rescale([lo, hi], [2.0, 1.0], False)
+    (o1 * 3 + o2).sum().backward()
+    expected = torch.cat([torch.full((4, 5), 6.0), torch.ones(4, 5)], dim=1)
+    assert torch.equal(a.grad, expected)
+
+
+@pytest.mark.parametrize("name", ["dynamic", "none"])
+def test_emulated_training_is_identical_with_and_without_fused_nodes(name):
+    """The emulation routes conv2d to the fused node; nothing but speed may change."""
+    cfg = OmegaConf.create({"name": name})
+    fast = _train(build_scaler(cfg, FP16), 3)
+    with fused.disabled():
+        ref = _train(build_scaler(cfg, FP16), 3)
+    assert all(torch.equal(a, b) for a, b in zip(fast, ref, strict=True))
+
+
+def test_adaptive_training_is_identical_with_and_without_fused_nodes():
+    """Reuse steps build fused nodes carrying the planned scales: same weights and scales, bit for bit."""
+    used = []
+
+    def record(scaler):
+        used.append(scaler.state.fused_built)
+
+    fast_scaler = AdaptiveLossScaler(update_every=3, init_scale=2.0**-10)
+    fast = _train(fast_scaler, 7, record=record)
+    with fused.disabled():
+        ref_scaler = AdaptiveLossScaler(update_every=3, init_scale=2.0**-10)
+        ref = _train(ref_scaler, 7)
+    # steps 0, 3, 6 recompute, the others reuse: each forward pass builds the matching fused nodes
+    assert used == ["recompute", "reuse", "reuse", "recompute", "reuse", "reuse", "recompute"]
+    scales = fast_scaler.layer_scales()
+    assert scales == ref_scaler.layer_scales() and len(set(scales.values())) > 2
+    assert all(torch.equal(a, b) for a, b in zip(fast, ref, strict=True))
+
+
+def test_plan_holds_every_slot_and_follows_the_host_copies():
+    scaler = AdaptiveLossScaler(update_every=10)
+    _train(scaler, 1)
+    plan = scaler.state.plan
+    assert plan is not None and plan.root == scaler.get_scale()
+    state = scaler.state
+    for p in state.gemms:
+        beta, inv_alpha = plan.gemm[p.index]
+        assert beta == state.beta_host[p.index]
+        assert inv_alpha == 1.0 / plan.slot_alpha[p.in_slot]
+        assert plan.slot_alpha[p.out_slot] == plan.slot_alpha[p.in_slot] * beta
+    # a loss scale set by hand re-arms it on the new root scale
+    scaler.update(new_scale=4.0)
+    assert scaler.state.plan.root == 4.0 and scaler.state.plan.slot_alpha[0] == 4.0
+
+
+def test_forward_built_for_reuse_then_changed_state_is_a_clear_error():
+    scaler = AdaptiveLossScaler(update_every=10)
+    _train(scaler, 1)
+    assert scaler.state.plan is not None
+    scaler.state.fused_built = "reuse"  # as if a forward pass had built fused nodes
+    scaler.recompute_next()  # ... and then the scales were invalidated
+    with pytest.raises(RuntimeError, match="run the forward pass again"):
+        scaler.scale(torch.ones((), requires_grad=True))
+
+
+def test_no_cxx_compiler_means_python_nodes(tmp_path):
+    """With a C compiler but no C++ one, the FP16 kernels load and the fused nodes say why they are off."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("cc", "as", "ld"):  # what building the C kernels needs
+        found = shutil.which(tool)
+        if found is None:
+            pytest.skip(f"no {tool} on PATH")
+        (bin_dir / tool).symlink_to(found)
+    code = (
+        "from adaloss.numerics import fused, native\n"
+        "assert native.available(), native.status()\n"
+        "assert not fused.available()\n"
+        "print(fused.status())\n"
+    )
+    env = {**os.environ, "CXX": "", "PATH": str(bin_dir), "ADALOSS_CACHE": str(tmp_path / "cache")}
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "no C++ compiler" in res.stdout
+
+
+def test_disabled_by_environment():
+    code = "from adaloss.numerics import fused\nprint(fused.available(), fused.status())\n"
+    env = {**os.environ, "ADALOSS_FUSED": "0"}
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.startswith("False disabled"), res.stdout + res.stderr
+
+
+def test_gradient_accumulation_is_identical_with_and_without_fused_nodes():
+    """Two backward passes per iteration: on a recompute iteration the first pass's fused nodes write the
+    record and the second pass (Python nodes) reuses what it computed; on a reuse iteration both passes
+    build fused nodes with the plan."""
+
+    def run():
+        torch.manual_seed(0)
+        model = build_model(OmegaConf.create({"name": "resnet20", "depth": 20}), 10)
+        scaler = AdaptiveLossScaler(update_every=2, init_scale=2.0**-8)
+        model = scaler.attach(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        g = torch.Generator().manual_seed(1)
+        built = []
+        for _ in range(4):
+            for _ in range(2):
+                x = torch.randn(4, 3, 32, 32, generator=g)
+                y = torch.randint(0, 10, (4,), generator=g)
+                with EmulatedAutocast(FP16):
+                    loss = F.cross_entropy(model(x), y) / 2
+                built.append(scaler.state.fused_built)
+                scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+        return [p.detach().clone() for p in model.parameters()], scaler.layer_scales(), built
+
+    fast_w, fast_s, built = run()
+    with fused.disabled():
+        ref_w, ref_s, ref_built = run()
+    assert built == ["recompute", None, "reuse", "reuse"] * 2 and set(ref_built) == {None}
+    assert fast_s == ref_s and len(set(fast_s.values())) > 2
+    assert all(torch.equal(a, b) for a, b in zip(fast_w, ref_w, strict=True))
+
+
+def test_state_dict_after_a_fused_recompute_pass_holds_its_scales():
+    scaler = AdaptiveLossScaler(update_every=5, init_scale=2.0**-8)
+    _train(scaler, 1)
+    saved = scaler.state_dict()
+    with fused.disabled():
+        ref = AdaptiveLossScaler(update_every=5, init_scale=2.0**-8)
+        _train(ref, 1)
+        expected = ref.state_dict()
+    assert saved == expected
+    assert any(b is not None and b > 1 for b in saved["betas"])
