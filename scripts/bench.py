@@ -194,6 +194,23 @@ RATIOS: tuple[RatioDef, ...] = (
 RATIO_KEYS = tuple(r.key for r in RATIOS)
 
 
+def ratio_configs(r: RatioDef) -> set[str]:
+    """The configurations a ratio reads (found by evaluating it on a recording timer)."""
+    seen: set[str] = set()
+
+    def t(config: str, kind: str) -> float:
+        seen.add(config)
+        return 1.0
+
+    r.fn(t)
+    return seen
+
+
+def selected_ratios(configs: Sequence[str]) -> tuple[RatioDef, ...]:
+    """The ratios whose configurations were all measured."""
+    return tuple(r for r in RATIOS if ratio_configs(r) <= set(configs))
+
+
 def request_recompute(scaler: Any) -> None:
     """Make the adaptive scaler recompute its betas on the next step, as it does after an overflow
     (``AdaptiveLossScaler.recompute_next``; the only way to get a recompute step on demand without running
@@ -275,14 +292,14 @@ def _round_mean(rd: dict[str, dict[str, list[float]]], config: str, kind: str) -
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def per_round_ratios(result: ModelResult) -> dict[str, list[float]]:
-    out: dict[str, list[float]] = {r.key: [] for r in RATIOS}
+def per_round_ratios(result: ModelResult, ratios: Sequence[RatioDef] = RATIOS) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {r.key: [] for r in ratios}
     for rd in result.rounds:
 
         def t(config: str, kind: str, rd=rd) -> float:
             return _round_mean(rd, config, kind)
 
-        for r in RATIOS:
+        for r in ratios:
             try:
                 out[r.key].append(float(r.fn(t)))
             except ZeroDivisionError:
@@ -299,6 +316,7 @@ def measure_model(
     budget_s: float,
     seed: int,
     log: Callable[[str], None],
+    specs: Sequence[Spec] = SPECS,
 ) -> ModelResult:
     """Build every configuration of ``name`` and time them in interleaved rounds (see module docstring)."""
     from adaloss.models import build_model
@@ -311,7 +329,7 @@ def measure_model(
         (torch.randn(batch, 3, 32, 32, generator=gen), torch.randint(0, 10, (batch,), generator=gen))
         for _ in range(N_BATCHES)
     ]
-    runners = [Runner(spec, base, batches) for spec in SPECS]
+    runners = [Runner(spec, base, batches) for spec in specs]
     result = ModelResult(name)
     for runner in runners:  # warm-up: allocator, fx-traced graphs, the dynamic scale settling
         for _ in range(warmup):
@@ -363,12 +381,12 @@ def measure_model(
 # ---------------------------------------------------------------------------------------------- report
 
 
-def summarize(results: Sequence[ModelResult]) -> dict[str, dict[str, Any]]:
-    """``{"<ratio>/<model>": {median, p25, p75, per_round, target, pass, ...}}``."""
+def summarize(results: Sequence[ModelResult], defs: Sequence[RatioDef] = RATIOS) -> dict[str, dict[str, Any]]:
+    """``{"<ratio>/<model>": {median, p25, p75, per_round, target, pass, ...}}`` for the ratios ``defs``."""
     ratios: dict[str, dict[str, Any]] = {}
     for res in results:
-        per = per_round_ratios(res)
-        for r in RATIOS:
+        per = per_round_ratios(res, defs)
+        for r in defs:
             vals = per[r.key]
             med = C.median(vals)
             ratios[f"{r.key}/{res.model}"] = {
@@ -448,8 +466,9 @@ def render(
         "+ zero_grad; SGD lr 0.01 momentum 0.9.",
         "",
     ]
+    present = [r for r in RATIOS if f"{r.key}/{models[0]}" in ratios] if models else []
     rows = []
-    for r in RATIOS:
+    for r in present:
         if r.target is None:
             continue
         for m in models:
@@ -476,7 +495,7 @@ def render(
     )
     lines += ["", "Context (no target): the noise floor and the step kinds behind the amortized rows.", ""]
     rows = []
-    for r in RATIOS:
+    for r in present:
         if r.target is not None:
             continue
         for m in models:
@@ -486,6 +505,7 @@ def render(
     trends = [
         (key, depth_trend(ratios, key, models))
         for key in ("adaptive_u1_over_dynamic", "adaptive_u100_over_dynamic")
+        if models and f"{key}/{models[0]}" in ratios
     ]
     trends = [(k, t) for k, t in trends if t]
     if trends:
@@ -494,13 +514,15 @@ def render(
             lines.append(f"- {key}: {text}")
 
     lines += ["", "Median step time in seconds in this run (for scale only; compare ratios, not these):", ""]
+    measured = {c["key"] for c in settings.get("configs", [])} or {s.key for s in SPECS}
     cols = [(s.key, "plain") for s in SPECS] + [
         ("fp16_none", "telemetry"),
         ("fp16_adaptive_u1", "recompute"),
         ("fp16_adaptive_u100", "recompute"),
         ("fp16_adaptive_u100", "reuse"),
     ]
-    cols = [c for c in cols if not (c[0].startswith("fp16_adaptive") and c[1] == "plain")]
+    adaptive_plain = {("fp16_adaptive_u1", "plain"), ("fp16_adaptive_u100", "plain")}
+    cols = [c for c in cols if c[0] in measured and c not in adaptive_plain]
     rows = []
     for res in results:
         row: list[Any] = [C.PRETTY.get(res.model, res.model)]
@@ -627,6 +649,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default="wall",
         help="step timer: wall (perf_counter, default) or cpu (process_time; see the module docstring)",
     )
+    p.add_argument(
+        "--configs",
+        nargs="+",
+        default=None,
+        help="measure only these configurations (space or comma; default all), e.g. a paired run of\n"
+        "fp16_dynamic fp16_adaptive_u100; only the ratios between measured ones are reported",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="seconds-long smoke run: resnet20, batch 8, 2 rounds")
     p.add_argument("--out", default=str(C.ROOT / "results" / "bench" / "bench.json"))
@@ -637,6 +666,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     for m in args.models:
         if m not in PLAN:
             p.error(f"unknown model '{m}': choose from {', '.join(PLAN)}")
+    keys = [s.key for s in SPECS]
+    chosen = [c for item in (args.configs or keys) for c in item.split(",") if c]
+    for c in chosen:
+        if c not in keys:
+            p.error(f"unknown configuration '{c}': choose from {', '.join(keys)}")
+    args.specs = tuple(s for s in SPECS if s.key in chosen)
+    if not selected_ratios(chosen):
+        p.error(f"no ratio can be formed from {', '.join(chosen)}: measure both sides of one")
     if args.batch is None:
         args.batch = 8 if args.quick else 32
     for name in ("batch", "rounds", "steps", "warmup"):
@@ -684,7 +721,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         # Budget left for this model: its share of what remains, so an early overrun is absorbed later.
         remaining = args.budget - (time.perf_counter() - t0)
         share = remaining * weights[m] / sum(weights[x] for x in args.models[args.models.index(m) :])
-        results.append(measure_model(m, args.batch, rounds, steps, warmup, share, args.seed, log))
+        results.append(measure_model(m, args.batch, rounds, steps, warmup, share, args.seed, log, args.specs))
     settings = {
         "batch": args.batch,
         "models": args.models,
@@ -698,13 +735,13 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         "lr": LR,
         "momentum": MOMENTUM,
         "configs": [
-            {"key": s.key, "precision": s.precision, "scaler": s.scaler, "extra": s.extra} for s in SPECS
+            {"key": s.key, "precision": s.precision, "scaler": s.scaler, "extra": s.extra} for s in args.specs
         ],
         "plan": {m: PLAN[m] for m in args.models},
         "argv": args.argv,
         "total_weight": total_w,
     }
-    ratios = summarize(results)
+    ratios = summarize(results, selected_ratios([s.key for s in args.specs]))
     text = render(info, settings, results, ratios)
     print(text, flush=True)
     payload = {

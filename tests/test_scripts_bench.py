@@ -111,6 +111,42 @@ def test_bench_quick_writes_every_ratio(bench, tmp_path: Path, capsys, one_threa
     assert ("PASS" in printed) or ("over target" in printed)
 
 
+def test_bench_paired_configs_report_only_their_ratios(bench, tmp_path: Path, capsys, one_thread) -> None:
+    """--configs measures a subset (a paired adaptive-versus-dynamic run); ratios needing an unmeasured
+    configuration are left out rather than reported as n/a."""
+    out = tmp_path / "bench.json"
+    argv = ["--quick", "--rounds", "1", "--batch", "4", "--configs", "fp16_dynamic,fp16_adaptive_u100"]
+    bench.main([*argv, "--out", str(out)])
+    payload = json.loads(out.read_text())
+    assert [c["key"] for c in payload["settings"]["configs"]] == ["fp16_dynamic", "fp16_adaptive_u100"]
+    keys = {e["ratio"] for e in payload["ratios"].values()}
+    assert keys == {
+        "adaptive_u100_over_dynamic",
+        "adaptive_recompute_over_dynamic",
+        "adaptive_reuse_over_dynamic",
+    }
+    assert {r["config"] for r in payload["models"]["resnet20"]["raw"][0]} == {
+        "fp16_dynamic",
+        "fp16_adaptive_u100",
+    }
+    printed = capsys.readouterr().out
+    assert "adaptive update_every=100 / dynamic" in printed and "emulated FP16 / FP32" not in printed
+
+
+@pytest.mark.parametrize(
+    ("configs", "message"),
+    [
+        ("fp16_dynamic,fp16_bogus", "unknown configuration 'fp16_bogus'"),
+        ("fp16_fixed", "no ratio can be formed"),
+    ],
+)
+def test_bench_rejects_bad_configs(bench, capsys, configs: str, message: str) -> None:
+    with pytest.raises(SystemExit) as exc:
+        bench.parse_args(["--configs", configs])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def test_bench_amortized_formulas(bench) -> None:
     """Per-round ratios from made-up step times follow the documented formulas."""
     rd = {

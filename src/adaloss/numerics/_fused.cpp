@@ -143,24 +143,32 @@ struct FusedGemm : public Function<FusedGemm> {
             double beta = g_beta(factors, stats, static_cast<int>(where[3]), &beta_f);
             rec[where[2]] = beta;
             rec[where[1]] = alpha_j * beta;
-            return gemm_gradients(ctx, g, xr, wr, beta, alpha_j, out);
+            return gemm_gradients(ctx, g, xr, wr, beta, alpha_j, 1.0, out);
         }
-        g = round16(g, 1.0, 1.0, sole_owner(g) && kernel_ok(g));
-        auto scales0 = ctx->saved_data["scales"].toDoubleVector();
-        return gemm_gradients(ctx, g, xr, wr, scales0[0], 1.0 / scales0[1], out);
+        // Constant scales: beta goes into the gradient's rounding pass (post-multiplied: the rounding
+        // happens at the scale the gradient arrived with), so beta * W needs no pass of its own.
+        auto scales = ctx->saved_data["scales"].toDoubleVector();
+        g = round16(g, 1.0, scales[0], sole_owner(g) && kernel_ok(g));
+        return gemm_gradients(ctx, g, xr, wr, scales[0], 1.0 / scales[1], scales[0], out);
     }
 
     // The input, weight and bias gradients from the rounded incoming gradient `g`, the layer's beta and
     // the scale alpha_j it received (dividing by it: a multiplication when it is a power of two).
+    // `g_scale` is a power of two `g` was already multiplied by after rounding (beta, or 1): every
+    // product and sum in the convolution is then scaled by exactly that power of two, so the input
+    // gradient needs beta / g_scale on the weight, and the weight and bias gradients are brought back by
+    // 1 / g_scale before their FP16 rounding. The results are the same bits either way.
     static variable_list gemm_gradients(AutogradContext *ctx, at::Tensor &g, const at::Tensor &xr,
-                                        const at::Tensor &wr, double beta, double alpha_j, variable_list &out) {
+                                        const at::Tensor &wr, double beta, double alpha_j, double g_scale,
+                                        variable_list &out) {
         auto flags = ctx->saved_data["flags"].toIntVector();
         bool round_grad_x = flags[0] != 0, has_bias = flags[1] != 0;
         bool need_x = ctx->needs_input_grad(0);
         bool need_w = ctx->needs_input_grad(1);
         bool need_b = has_bias && ctx->needs_input_grad(2);
         // The input gradient from beta * W: exact for a power of two, and weight-sized work only.
-        at::Tensor ws = (need_x && beta != 1.0) ? round16(wr, beta, 1.0, false) : wr;
+        const double w_scale = beta / g_scale;
+        at::Tensor ws = (need_x && w_scale != 1.0) ? round16(wr, w_scale, 1.0, false) : wr;
         at::Tensor gx, gw, gb;
         auto spec = ctx->saved_data["spec"].toIntVector();
         if (spec[0] == 0) {
@@ -184,13 +192,13 @@ struct FusedGemm : public Function<FusedGemm> {
         // multiplication fused into the rounding (exact); otherwise by a division after it.
         int exp2;
         bool pow2 = alpha_j > 0 && std::isfinite(alpha_j) && std::frexp(alpha_j, &exp2) == 0.5;
-        double post = pow2 ? 1.0 / alpha_j : 1.0;
+        double post = pow2 ? 1.0 / alpha_j : 1.0, pre = 1.0 / g_scale;
         if (gw.defined()) {
-            gw = round16(gw, 1.0, post, kernel_ok(gw) && !gw.is_view());
+            gw = round16(gw, pre, post, kernel_ok(gw) && !gw.is_view());
             if (!pow2) gw = gw.div_(alpha_j);
         }
         if (gb.defined()) {
-            gb = round16(gb, 1.0, post, kernel_ok(gb) && !gb.is_view());
+            gb = round16(gb, pre, post, kernel_ok(gb) && !gb.is_view());
             if (!pow2) gb = gb.div_(alpha_j);
         }
         out[0] = gx;
