@@ -49,6 +49,10 @@ statistics use the native kernels (:mod:`adaloss.numerics.native`) when they cou
 configuration's conv layers (and the adaptive scaler's branch points) run as the fused C++ autograd nodes of
 :mod:`adaloss.numerics.fused` when those could be built; the JSON's settings record all three.
 
+Paired runs: ``--configs fp16_dynamic fp16_adaptive_u100`` measures only those configurations (and reports
+only the ratios between them), so a comparison of two configurations gets more rounds in the same time and
+does not share the heap with five unrelated models.
+
 Cost: the default run keeps to ``--budget`` seconds (840 s), shared among the models; deeper models get
 fewer rounds and fewer steps per round. ``--quick`` is a seconds-long smoke run. Raw per-step timings (with
 their kinds and cycles) and every ratio go to ``--out`` (``results/bench/bench.json``).
