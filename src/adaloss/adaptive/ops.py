@@ -486,14 +486,8 @@ class AdaptiveState:
                 )
             self.recompute = True
             self.host = True
-            self.drop_host_copies()
-            self.beta_host = [1.0] * len(self.beta)
-            self.branch_factors_host = [None] * len(self.branches)
-            self.branch_alpha_host = [None] * len(self.branches)
-            self.beta = [None] * len(self.beta)
-            self.branch_factors = [None] * len(self.branches)
-            self.branch_alpha = [None] * len(self.branches)
-            self.fwd_weight = [None] * len(self.fwd_weight)
+            self._reset_for_host_recompute()
+            self.fwd_weight = [None] * len(self.fwd_weight)  # the nodes take the weights' statistics
             self.record.fill_(math.nan)  # type: ignore[union-attr]
             self.record[0] = float(root_host)  # type: ignore[index]
             self.alpha[0] = float(root_host)
@@ -501,16 +495,11 @@ class AdaptiveState:
             return
         if recompute or any(b is None for b in self.beta) or any(f is None for f in self.branch_factors):
             self.recompute = True
-            self.drop_host_copies()
             self.host = host_recompute and root_host is not None
             if self.host:
-                self.beta_host = [1.0] * len(self.beta)  # a point the pass never reaches keeps beta 1
-                self.branch_factors_host = [None] * len(self.branches)
-                self.branch_alpha_host = [None] * len(self.branches)
-                # cleared so that a point the pass does not reach is recomputed next time, as on the device
-                self.beta = [None] * len(self.beta)
-                self.branch_factors = [None] * len(self.branches)
-                self.branch_alpha = [None] * len(self.branches)
+                self._reset_for_host_recompute()
+            else:
+                self.drop_host_copies()
         else:
             self.recompute = False
             self.fwd_weight = [None] * len(self.fwd_weight)  # no statistics needed: drop the references
@@ -521,6 +510,18 @@ class AdaptiveState:
                 and self.branch_alpha_host is not None
             )
         self.alpha[0] = float(root_host) if self.host else root_alpha
+
+    def _reset_for_host_recompute(self) -> None:
+        """Before a recompute pass on host floats (Python or fused nodes): fresh host copies, filled as the
+        pass goes; a point the pass never reaches keeps beta 1, and its device values are cleared so that
+        it is recomputed next time, as on the device path."""
+        self.drop_host_copies()
+        self.beta_host = [1.0] * len(self.beta)
+        self.branch_factors_host = [None] * len(self.branches)
+        self.branch_alpha_host = [None] * len(self.branches)
+        self.beta = [None] * len(self.beta)
+        self.branch_factors = [None] * len(self.branches)
+        self.branch_alpha = [None] * len(self.branches)
 
     def read_alpha(self, slot: int, where: str) -> torch.Tensor | float:
         a = self.alpha[slot]

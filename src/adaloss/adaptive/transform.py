@@ -113,7 +113,8 @@ class AdaptiveGEMM(nn.Module):
         if emu is None or not emu._fp16 or emu.monitor is not None or not self.fusable():
             return None
         with torch._C.DisableTorchFunction():  # plain attribute reads, not a round trip through the mode
-            ok = x.dtype is torch.float32 and x.is_cpu and self.weight.dtype is torch.float32
+            w = self.weight
+            ok = x.dtype is torch.float32 and x.is_cpu and w.dtype is torch.float32 and w.is_cpu
             round_x = not is_low_precision(x)
             if state.fused_mode == "reuse":
                 if not ok:

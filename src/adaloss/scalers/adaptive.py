@@ -361,13 +361,14 @@ class AdaptiveLossScaler(LossScaler):
             state.arm_plan(self._loss_scale)
 
     def _fusable(self) -> bool:
-        if self._fused_ok is None:
-            self._fused_ok = (
-                fused.available()
-                and all(m.fusable() for m in self._gemm_modules)
-                and all(w.dtype == torch.float32 and w.is_cpu for w in self._gemm_weights)
-            )
-        return self._fused_ok and fused.enabled()
+        if self._fused_ok is None:  # whether every layer has a fused form: fixed once attached
+            self._fused_ok = fused.available() and all(m.fusable() for m in self._gemm_modules)
+        # the weights are checked every time: the model may have moved since attach()
+        return (
+            self._fused_ok
+            and fused.enabled()
+            and all(w.dtype == torch.float32 and w.is_cpu for w in self._gemm_weights)
+        )
 
     def _set_loss_scale(self, value: float) -> None:
         super()._set_loss_scale(value)
