@@ -7,14 +7,20 @@ paper's 27% and 0.27%), for the CIFAR ResNets 20/56/110 on synthetic 32x32 input
 Why ratios, and why interleaved: the lab machines are shared (other test suites compete for the 2 cores),
 so an absolute step time says more about the neighbours than about the code, and two numbers taken minutes
 apart are not comparable. Every configuration of one model is therefore built in this process and they take
-turns step by step: a *round* is a few cycles in which every configuration runs one step (A, B, C, ...,
-then C, B, A, ...: the order alternates so no configuration always goes first), plus one cycle of the
-extra step kinds; each ratio is formed from the round's mean step times, and the table reports the median
-of the per-round ratios with its interquartile range. A load change mid-run then
-moves numerator and denominator together. An A/A row (two identical FP16 configurations) shows the noise
-floor of a ratio between two configurations: a target tighter than that spread is not resolved by one run,
-and the table prints the measurement as it is rather than rounding it to fit. (The amortized telemetry row
-is far less noisy: both its step kinds run on one configuration and the telemetry step weighs 1%.)
+turns step by step: a *round* is a few cycles in which every configuration runs one step, each cycle in a
+fresh random order (seeded; never the same model twice in a row), plus one cycle of the extra step kinds;
+each ratio is formed from the round's mean step times, and the table reports the median of the per-round
+ratios with its interquartile range. A load change mid-run then moves numerator and denominator together.
+An A/A row (two identical FP16 configurations) shows the noise floor of a ratio between two
+configurations: a target tighter than that spread is not resolved by one run, and the table prints the
+measurement as it is rather than rounding it to fit. (The amortized telemetry row is far less noisy: both
+its step kinds run on one configuration and the telemetry step weighs 1%.)
+
+Copies (``--replicas N``): N separately built copies of every configuration take turns like the others,
+and all copies' steps enter each round's mean. A model's step time might depend on where its tensors
+landed in memory, which more rounds of the same model would not average out; more copies would. The table
+then adds each copy's A/A ratio to copy 0, so a run shows how far two identical models differ (ResNet-110,
+2 copies, 20 rounds: medians 0.999x and 1.003x, inside the per-round noise).
 
 A *step* is forward + loss + scaled backward + ``scaler.step`` + ``scaler.update`` + ``zero_grad``, timed
 with ``time.perf_counter`` (the CPU runs synchronously; ``--clock cpu``: ``time.process_time``, see below)
@@ -64,6 +70,7 @@ import argparse
 import copy
 import gc
 import math
+import random
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -230,12 +237,15 @@ class Runner:
     the same arithmetic; only the precision and scaler differ.
     """
 
-    def __init__(self, spec: Spec, base_model: torch.nn.Module, batches: Sequence[tuple]) -> None:
+    def __init__(
+        self, spec: Spec, base_model: torch.nn.Module, batches: Sequence[tuple], replica: int = 0
+    ) -> None:
         from adaloss.precision import Precision
         from adaloss.scalers import build_scaler
         from adaloss.telemetry import UnderflowMonitor
 
         self.spec = spec
+        self.replica = replica
         self.precision = Precision(spec.precision, "cpu")
         self.scaler = build_scaler(OmegaConf.create(spec.scaler), self.precision.grad_format)
         model = copy.deepcopy(base_model)
@@ -280,6 +290,20 @@ class Runner:
         return actual, dt
 
 
+def shuffled_order(runners: Sequence[Runner], rng: random.Random, previous: Runner | None) -> list[Runner]:
+    """``runners`` in a random order whose first element is not ``previous`` (when there is a choice).
+
+    Random rather than a fixed rotation or alternation: with A B C / C B A the end runners run twice in a
+    row (on caches they warmed themselves), and a fixed rotation gives every runner the same predecessor
+    each time."""
+    order = list(runners)
+    rng.shuffle(order)
+    if len(order) > 1 and order[0] is previous:
+        k = rng.randrange(1, len(order))
+        order[0], order[k] = order[k], order[0]
+    return order
+
+
 @dataclass
 class ModelResult:
     model: str
@@ -321,6 +345,7 @@ def measure_model(
     seed: int,
     log: Callable[[str], None],
     specs: Sequence[Spec] = SPECS,
+    replicas: int = 1,
 ) -> ModelResult:
     """Build every configuration of ``name`` and time them in interleaved rounds (see module docstring)."""
     from adaloss.models import build_model
@@ -333,7 +358,10 @@ def measure_model(
         (torch.randn(batch, 3, 32, 32, generator=gen), torch.randint(0, 10, (batch,), generator=gen))
         for _ in range(N_BATCHES)
     ]
-    runners = [Runner(spec, base, batches) for spec in specs]
+    # ``replicas`` separately built copies of every configuration (see the module docstring).
+    runners = [Runner(spec, base, batches, replica=i) for i in range(replicas) for spec in specs]
+    rng = random.Random(seed)
+    previous: Runner | None = None
     result = ModelResult(name)
     for runner in runners:  # warm-up: allocator, fx-traced graphs, the dynamic scale settling
         for _ in range(warmup):
@@ -357,19 +385,28 @@ def measure_model(
                     break
             rd: dict[str, dict[str, list[float]]] = {rn.spec.key: {} for rn in runners}
             records: list[dict[str, Any]] = []
-            # ``steps`` cycles of one plain step per configuration, then one cycle of the extra steps; the
-            # order alternates every cycle, so neighbours in time are always different configurations.
+            # ``steps`` cycles of one plain step per runner, then one cycle of the extra steps; every cycle
+            # in a fresh random order, re-drawn so that no runner runs twice in a row across cycles.
             for cycle in range(steps + 1):
-                order = runners if (r * (steps + 1) + cycle) % 2 == 0 else runners[::-1]
+                extra_cycle = cycle == steps
+                members = [rn for rn in runners if rn.spec.extra] if extra_cycle else runners
+                order = shuffled_order(members, rng, previous)
                 for runner in order:
-                    kind = "plain" if cycle < steps else runner.spec.extra
-                    if kind is None:
-                        continue
+                    kind = runner.spec.extra if extra_cycle else "plain"
                     actual, dt = runner.step(kind)
                     if actual.endswith("+skipped"):
                         runner.skipped_timed += 1
                     rd[runner.spec.key].setdefault(actual, []).append(dt)
-                    records.append({"config": runner.spec.key, "kind": actual, "cycle": cycle, "s": dt})
+                    records.append(
+                        {
+                            "config": runner.spec.key,
+                            "replica": runner.replica,
+                            "kind": actual,
+                            "cycle": cycle,
+                            "s": dt,
+                        }
+                    )
+                    previous = runner
             result.rounds.append(rd)
             result.raw.append(records)
             gc.collect()
@@ -383,6 +420,40 @@ def measure_model(
 
 
 # ---------------------------------------------------------------------------------------------- report
+
+
+def replica_ratios(result: ModelResult) -> dict[str, list[dict[str, float]]]:
+    """Per configuration with several copies: each copy's step time over copy 0's (A/A between copies).
+
+    Per round, the mean of a copy's plain (adaptive: reuse) steps over copy 0's; median and p25-p75 over
+    the rounds. How far identical copies differ within one run."""
+    out: dict[str, list[dict[str, float]]] = {}
+    per: dict[tuple[str, int], dict[int, float]] = {}  # (config, copy) -> {round: mean step time}
+    for r, records in enumerate(result.raw):
+        sums: dict[tuple[str, int], list[float]] = {}
+        for rec in records:
+            if rec["kind"] in ("plain", "reuse"):
+                sums.setdefault((rec["config"], rec.get("replica", 0)), []).append(rec["s"])
+        for key, ts in sums.items():
+            per.setdefault(key, {})[r] = sum(ts) / len(ts)
+    for config in sorted({c for c, _ in per}):
+        copies = sorted(i for c, i in per if c == config)
+        if len(copies) < 2 or copies[0] != 0:
+            continue
+        base = per[(config, 0)]
+        rows = []
+        for i in copies[1:]:
+            vals = [t / base[r] for r, t in per[(config, i)].items() if r in base]
+            rows.append(
+                {
+                    "replica": i,
+                    "median": C.median(vals),
+                    "p25": C.quantile(vals, 0.25),
+                    "p75": C.quantile(vals, 0.75),
+                }
+            )
+        out[config] = rows
+    return out
 
 
 def summarize(results: Sequence[ModelResult], defs: Sequence[RatioDef] = RATIOS) -> dict[str, dict[str, Any]]:
@@ -564,6 +635,23 @@ def render(
                 ],
             ),
         ]
+    spread = [(res.model, replica_ratios(res)) for res in results]
+    spread = [(m, sp) for m, sp in spread if sp]
+    if spread:
+        lines += [
+            "",
+            f"A/A between copies ({settings.get('replicas', 1)} per configuration, averaged in every ratio "
+            "above): each copy's plain step time over copy 0's, median (p25-p75) over the rounds:",
+            "",
+        ]
+        rows = []
+        for m, sp in spread:
+            for config, entries in sp.items():
+                cells = ", ".join(
+                    f"#{e['replica']}: {_fmt_x(e['median'])} ({e['p25']:.3f}-{e['p75']:.3f})" for e in entries
+                )
+                rows.append([C.PRETTY.get(m, m), config, cells])
+        lines.append(C.markdown_table(["Model", "Configuration", "Copy / copy 0"], rows, left=3))
     total = sum(r.seconds for r in results)
     lines += ["", f"Total measurement time {total:.0f}s."]
     return "\n".join(lines)
@@ -660,6 +748,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="measure only these configurations (space or comma; default all), e.g. a paired run of\n"
         "fp16_dynamic fp16_adaptive_u100; only the ratios between measured ones are reported",
     )
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="separately built copies of each configuration, timed in turn (default 1); the table\n"
+        "adds each copy's A/A ratio to copy 0",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="seconds-long smoke run: resnet20, batch 8, 2 rounds")
     p.add_argument("--out", default=str(C.ROOT / "results" / "bench" / "bench.json"))
@@ -680,7 +775,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error(f"no ratio can be formed from {', '.join(chosen)}: measure both sides of one")
     if args.batch is None:
         args.batch = 8 if args.quick else 32
-    for name in ("batch", "rounds", "steps", "warmup"):
+    for name in ("batch", "rounds", "steps", "warmup", "replicas"):
         v = getattr(args, name)
         if v is not None and v < (0 if name == "warmup" else 1):
             p.error(f"--{name} must be positive, got {v}")
@@ -725,12 +820,17 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         # Budget left for this model: its share of what remains, so an early overrun is absorbed later.
         remaining = args.budget - (time.perf_counter() - t0)
         share = remaining * weights[m] / sum(weights[x] for x in args.models[args.models.index(m) :])
-        results.append(measure_model(m, args.batch, rounds, steps, warmup, share, args.seed, log, args.specs))
+        results.append(
+            measure_model(
+                m, args.batch, rounds, steps, warmup, share, args.seed, log, args.specs, args.replicas
+            )
+        )
     settings = {
         "batch": args.batch,
         "models": args.models,
         "budget_s": args.budget,
         "quick": args.quick,
+        "replicas": args.replicas,
         "clock": args.clock,
         "malloc_tuned": args.malloc_tuned,
         "native_kernels": _native_status(),
@@ -759,6 +859,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
                 "warmup_seconds": r.warmup_seconds,
                 "seconds": r.seconds,
                 "skipped_timed_steps": r.skipped,
+                "replica_ratios": replica_ratios(r),
                 "step_times": r.rounds,
                 "raw": r.raw,
             }

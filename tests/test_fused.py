@@ -132,6 +132,42 @@ def test_adaptive_training_is_identical_with_and_without_fused_nodes():
     assert all(torch.equal(a, b) for a, b in zip(fast, ref, strict=True))
 
 
+def _graph_nodes(root) -> list[str]:
+    seen, stack, names = set(), [root], []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(node.name())
+        stack.extend(n for n, _ in node.next_functions)
+    return names
+
+
+def test_reuse_pass_builds_branch_nodes_only_where_a_factor_is_not_one():
+    """A branch point whose planned factors are all 1 is autograd's plain accumulation: a reuse pass
+    builds no node (and no views) for it. The others keep their fused node; the bitwise test above
+    trains through both kinds."""
+    torch.manual_seed(0)
+    scaler = AdaptiveLossScaler(update_every=10)
+    model = scaler.attach(build_model(OmegaConf.create({"name": "resnet20", "depth": 20}), 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
+    counts = []
+    for _ in range(2):  # a recompute pass, then a reuse pass
+        with EmulatedAutocast(FP16):
+            loss = F.cross_entropy(model(x), y)
+        counts.append(sum("FusedRescale" in n for n in _graph_nodes(loss.grad_fn)))
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+    branch = scaler.state.plan.branch
+    scaled = sum(any(f != 1.0 for f in fs) for fs in branch)
+    assert 0 < scaled < len(branch)  # both kinds of point occur here
+    assert counts == [len(branch), scaled]
+
+
 def test_plan_holds_every_slot_and_follows_the_host_copies():
     scaler = AdaptiveLossScaler(update_every=10)
     _train(scaler, 1)

@@ -133,6 +133,56 @@ def test_bench_paired_configs_report_only_their_ratios(bench, tmp_path: Path, ca
     assert "adaptive update_every=100 / dynamic" in printed and "emulated FP16 / FP32" not in printed
 
 
+def test_bench_replicas_time_every_copy(bench, tmp_path: Path, capsys, one_thread) -> None:
+    """--replicas 2 builds two copies of each configuration; each copy times its steps, the ratios pool
+    them, and the copies' A/A spread is reported."""
+    out = tmp_path / "bench.json"
+    argv = ["--quick", "--rounds", "2", "--batch", "4", "--configs", "fp16_dynamic,fp16_adaptive_u100"]
+    bench.main([*argv, "--replicas", "2", "--out", str(out)])
+    payload = json.loads(out.read_text())
+    assert payload["settings"]["replicas"] == 2
+    model = payload["models"]["resnet20"]
+    for records in model["raw"]:
+        copies = {(r["config"], r["replica"]) for r in records}
+        assert copies == {(c, i) for c in ("fp16_dynamic", "fp16_adaptive_u100") for i in (0, 1)}
+        steps = [(r["config"], r["replica"]) for r in records]
+        assert all(a != b for a, b in zip(steps, steps[1:], strict=False)), steps  # never twice in a row
+    # Every plain step of both copies enters the round's mean.
+    plain = [r["s"] for r in model["raw"][0] if r["config"] == "fp16_dynamic" and r["kind"] == "plain"]
+    assert model["step_times"][0]["fp16_dynamic"]["plain"] == plain and len(plain) == 2
+    spread = model["replica_ratios"]
+    assert set(spread) == {"fp16_dynamic", "fp16_adaptive_u100"}
+    assert all(e["replica"] == 1 and e["median"] > 0 for rows in spread.values() for e in rows)
+    assert "A/A between copies (2 per configuration" in capsys.readouterr().out
+
+
+def test_bench_shuffled_order_and_replica_ratios(bench) -> None:
+    import random
+
+    rng = random.Random(0)
+    runners = list("abcd")
+    prev = None
+    seen_first = set()
+    for _ in range(200):
+        order = bench.shuffled_order(runners, rng, prev)
+        assert sorted(order) == runners and order[0] != prev
+        seen_first.add(order[0])
+        prev = order[-1]
+    assert seen_first == set(runners)  # no fixed order
+    assert bench.shuffled_order(["a", "b"], rng, "a") == ["b", "a"]
+    assert bench.shuffled_order(["a"], rng, "a") == ["a"]  # nothing to choose from
+    # Copy 1 is 2% slower than copy 0 in both rounds; recompute steps are left out.
+    raw = [
+        [
+            {"config": "x", "replica": 0, "kind": "plain", "s": 1.0},
+            {"config": "x", "replica": 1, "kind": "plain", "s": 1.02},
+            {"config": "x", "replica": 1, "kind": "recompute", "s": 9.0},
+        ]
+    ] * 2
+    spread = bench.replica_ratios(bench.ModelResult("resnet20", raw=raw))
+    assert spread["x"][0]["replica"] == 1 and spread["x"][0]["median"] == pytest.approx(1.02)
+
+
 @pytest.mark.parametrize(
     ("configs", "message"),
     [

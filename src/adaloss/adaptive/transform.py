@@ -172,7 +172,14 @@ class BranchModule(nn.Module):
             ok = all(x.dtype is torch.float32 and x.is_cpu for x in xs)
             shared = len(xs) > 1 and all(x is xs[0] for x in xs)
             if state.fused_mode == "reuse":
-                return fused.rescale(list(xs), state.plan.branch[k], shared) if ok else None  # type: ignore[union-attr]
+                if not ok:
+                    return None
+                factors = state.plan.branch[k]  # type: ignore[union-attr]
+                if all(f == 1.0 for f in factors):
+                    # Nothing to rescale: autograd's own accumulation is this point's backward, so no node
+                    # and no views are made (on ResNet-110 all but one of the 54 points, most steps).
+                    return list(xs)
+                return fused.rescale(list(xs), factors, shared)
             if not ok:
                 raise RuntimeError(
                     f"adaptive loss scaling: branch point {self.point.name} got a non-float32 or non-CPU "
