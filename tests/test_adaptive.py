@@ -450,6 +450,56 @@ def test_emulated_training_step_in_every_format(name):
     assert all(a >= 1 for a in scaler.layer_scales().values())
 
 
+class _InputUsedTwice(nn.Module):
+    """The network's own (unrounded FP32) input feeds two layers: a branch point on a tensor that is not
+    stored in FP16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 4), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) + self.b(x)
+
+
+@pytest.mark.parametrize("input_grad", [True, False], ids=["input-grad", "no-input-grad"])
+@pytest.mark.parametrize("fused_nodes", [True, False], ids=["fused", "python"])
+def test_branch_point_on_an_unrounded_input_leaves_its_rounding_to_the_consumers(fused_nodes, input_grad):
+    """Scaling changes gradients only: in emulated FP16 the attached model's forward pass gives the same
+    bits as the plain model's, on recompute and reuse passes, also when a branch point sits on a tensor
+    that is not in FP16 yet (its consumers must still round it)."""
+    import contextlib
+
+    from adaloss.numerics import fused
+    from adaloss.numerics.emulation import EmulatedAutocast, is_low_precision
+
+    if fused_nodes and not fused.available():
+        pytest.skip(f"fused nodes: {fused.status()}")
+    torch.manual_seed(0)
+    plain = _InputUsedTwice()
+    scaler = AdaptiveLossScaler(update_every=2)
+    model = scaler.attach(copy.deepcopy(plain))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # the weights stay equal to the plain model's
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(1)).requires_grad_(input_grad)
+    with EmulatedAutocast(FP16):
+        expected = plain(x).detach()
+    assert not torch.equal(expected, plain(x))  # the emulation does round here
+    kinds = []
+    with contextlib.nullcontext() if fused_nodes else fused.disabled():
+        for _ in range(3):
+            with EmulatedAutocast(FP16):
+                out = model(x)
+            assert torch.equal(out, expected)
+            scaler.scale(out.square().sum()).backward()
+            scaler.step(opt)
+            kinds.append("recompute" if scaler.state.recompute else "reuse")
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+    if input_grad:  # with a gradient for the input, the branch point's factors exist: reuse steps
+        assert kinds == ["recompute", "reuse", "recompute"]
+    assert not is_low_precision(x)  # the caller's tensor is not marked
+
+
 # ----------------------------------------------------------------------------------------- numerical effect
 
 

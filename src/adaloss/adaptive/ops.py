@@ -859,8 +859,11 @@ class Rescale(torch.autograd.Function):
             outs = tuple(x.view_as(x) for x in xs)
             emu = active_emulation()
             if emu is not None and emu.fmt is not None:
-                for o in outs:
-                    mark_low_precision(o)
+                # A view holds its input's values: stored in the format only if the input was (an
+                # unrounded FP32 input, the network's own for one, still gets rounded by its consumers).
+                for x, o in zip(xs, outs, strict=True):
+                    if is_low_precision(x):
+                        mark_low_precision(o)
         return outs
 
     @staticmethod

@@ -161,7 +161,11 @@ class BranchModule(nn.Module):
                 outs = self._fused(xs)
                 if outs is not None:
                     state.fused_built = state.fused_mode
-                    return tuple(mark_low_precision(o) for o in outs)
+                    # marked as their inputs are (see Rescale.forward); never marks an input itself
+                    return tuple(
+                        mark_low_precision(o) if o is not x and is_low_precision(x) else o
+                        for x, o in zip(xs, outs, strict=True)
+                    )
         return Rescale.apply(self.point, self.state, *xs)
 
     def _fused(self, xs: tuple[torch.Tensor, ...]) -> list[torch.Tensor] | None:
