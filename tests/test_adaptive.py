@@ -495,9 +495,72 @@ def test_branch_point_on_an_unrounded_input_leaves_its_rounding_to_the_consumers
             kinds.append("recompute" if scaler.state.recompute else "reuse")
             scaler.update()
             opt.zero_grad(set_to_none=True)
-    if input_grad:  # with a gradient for the input, the branch point's factors exist: reuse steps
-        assert kinds == ["recompute", "reuse", "recompute"]
+    # Without a gradient for the input, the branch point is never reached; reuse steps still happen.
+    assert kinds == ["recompute", "reuse", "recompute"]
     assert not is_low_precision(x)  # the caller's tensor is not marked
+
+
+def _frozen_run(fused_nodes: bool, steps: int, unfreeze_at: int | None = None):
+    """ResNet-20 in emulated FP16 with its stem and first two stages frozen (fine-tuning the rest),
+    update_every=3; optionally everything unfrozen before step ``unfreeze_at``."""
+    import contextlib
+
+    from adaloss.numerics import fused
+    from adaloss.numerics.emulation import EmulatedAutocast
+
+    torch.manual_seed(0)
+    model = _cifar("resnet20")
+    for name, p in model.named_parameters():
+        if not name.startswith(("layer3", "fc")):
+            p.requires_grad_(False)
+    scaler = AdaptiveLossScaler(update_every=3)
+    model = scaler.attach(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    kinds, unreached = [], []
+    with contextlib.nullcontext() if fused_nodes else fused.disabled():
+        for step in range(steps):
+            if step == unfreeze_at:
+                for p in model.parameters():
+                    p.requires_grad_(True)
+            x, y = torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 10, (4,), generator=g)
+            with EmulatedAutocast(FP16):
+                loss = nn.functional.cross_entropy(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            kinds.append("recompute" if scaler.state.recompute else "reuse")
+            scaler.update()
+            unreached.append(scaler.state.has_unreached())
+            opt.zero_grad(set_to_none=True)
+    return kinds, unreached, [p.detach().clone() for p in model.parameters()]
+
+
+def test_frozen_layers_keep_update_every():
+    """Points no gradient reaches (frozen stages) have no scales; reuse steps go without them instead of
+    recomputing every step, with the fused and the Python nodes alike, and both train the same bits."""
+    from adaloss.numerics import fused
+
+    kinds, unreached, weights = _frozen_run(False, 5)
+    assert kinds == ["recompute", "reuse", "reuse", "recompute", "reuse"]
+    assert all(unreached)  # the frozen stages' points stay without scales
+    if fused.available():
+        fused_kinds, _, fused_weights = _frozen_run(True, 5)
+        assert fused_kinds == kinds
+        assert all(torch.equal(a, b) for a, b in zip(weights, fused_weights, strict=True))
+
+
+@pytest.mark.parametrize("fused_nodes", [True, False], ids=["fused", "python"])
+def test_unfreezing_recomputes_on_the_next_step(fused_nodes):
+    """A change in which tensors need gradients makes the next step a recompute step (its forward pass is
+    built for it), after which every point has scales and reuse steps follow."""
+    from adaloss.numerics import fused
+
+    if fused_nodes and not fused.available():
+        pytest.skip(f"fused nodes: {fused.status()}")
+    kinds, unreached, weights = _frozen_run(fused_nodes, 5, unfreeze_at=1)
+    assert kinds == ["recompute", "recompute", "reuse", "recompute", "reuse"]
+    assert unreached == [True, False, False, False, False]
+    assert all(torch.isfinite(w).all() for w in weights)
 
 
 # ----------------------------------------------------------------------------------------- numerical effect

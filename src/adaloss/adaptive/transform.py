@@ -119,7 +119,12 @@ class AdaptiveGEMM(nn.Module):
             if state.fused_mode == "reuse":
                 if not ok:
                     return None
-                beta, inv_alpha = state.plan.gemm[point_index]  # type: ignore[union-attr]
+                entry = state.plan.gemm[point_index]  # type: ignore[union-attr]
+                if entry is None:  # no gradient reached this point in the last recompute pass
+                    if x.requires_grad or any(p is not None and p.requires_grad for p in (w, self.bias)):
+                        raise _unplanned(state.gemms[point_index].name)
+                    entry = (1.0, 1.0)  # no node is recorded: nothing requires a gradient
+                beta, inv_alpha = entry
                 y = fused.gemm(x, self.weight, self.bias, self._fused_spec, round_x, False, beta, inv_alpha)
             else:
                 if not ok:  # the other points share the record: no Python node may join them
@@ -179,6 +184,10 @@ class BranchModule(nn.Module):
                 if not ok:
                     return None
                 factors = state.plan.branch[k]  # type: ignore[union-attr]
+                if factors is None:  # no gradient reached this point in the last recompute pass
+                    if any(x.requires_grad for x in xs):
+                        raise _unplanned(self.point.name)
+                    return list(xs)
                 if all(f == 1.0 for f in factors):
                     # Nothing to rescale: autograd's own accumulation is this point's backward, so no node
                     # and no views are made (on ResNet-110 all but one of the 54 points, most steps).
@@ -194,6 +203,15 @@ class BranchModule(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.point.name}, {len(self.point.in_slots)} consumers"
+
+
+def _unplanned(name: str) -> RuntimeError:
+    """A reuse pass reached a point the last recompute pass did not, in a forward pass built before that
+    was known (the scaler's forward pre-hook normally notices first and recomputes)."""
+    return RuntimeError(
+        f"adaptive loss scaling: '{name}' needs a gradient now but got none when the scales were last "
+        "computed; call scaler.recompute_next() before the forward pass after changing requires_grad"
+    )
 
 
 def _layer_spec(layer: nn.Module, path: str) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from adaloss.adaptive.ops import AdaptiveState
+from adaloss.adaptive.ops import AdaptiveState, GradSignature
 from adaloss.adaptive.transform import attach_adaptive
 from adaloss.errors import ConfigError
 from adaloss.numerics import fused, native
@@ -210,6 +210,9 @@ class AdaptiveLossScaler(LossScaler):
             m.weight for m in gm.modules() if type(m).__name__ == "AdaptiveGEMM" and hasattr(m, "weight")
         ]
         self._gemm_modules = [m for m in gm.modules() if type(m).__name__ == "AdaptiveGEMM"]
+        # Which tensors need gradients, per forward pass: lets reuse steps skip points no gradient reaches
+        # (frozen layers) instead of recomputing every step (see AdaptiveState.start_backward).
+        gm.register_forward_pre_hook(GradSignature(state, list(gm.parameters())), with_kwargs=True)
         self._fused_ok = None
         self._arm_fused()
         return gm
@@ -231,7 +234,12 @@ class AdaptiveLossScaler(LossScaler):
             self._restore(self._pending, device)
             self._pending = None
         if not self._scaled_this_iteration:
-            self._recomputing = self._force_recompute or self._iteration % self.update_every == 0
+            self._recomputing = (
+                self._force_recompute
+                or self.state.recompute_requested
+                or self._iteration % self.update_every == 0
+            )
+            self.state.recompute_requested = False
             self._scaled_this_iteration = True
             recompute = self._recomputing
         else:
@@ -519,6 +527,9 @@ class AdaptiveLossScaler(LossScaler):
         state.branch_factors_host = saved["branch_factors_host"]
         # The host branch alphas are the device ones, which the checkpoint holds as floats.
         state.branch_alpha_host = list(saved["branch_alphas"]) if saved["beta_host"] is not None else None
+        # Points without scales in the checkpoint are fine only under the requires_grad flags they were
+        # computed with, which the checkpoint does not hold: a partial state recomputes once.
+        state.reach_sig = None
 
 
 def _first_tensor(value: Any) -> torch.Tensor:
