@@ -54,7 +54,10 @@ class AdaptiveLossScaler(LossScaler):
     ``init_scale``. After each recompute step (with ``update_every > 1``) the betas, branch factors and
     branch alphas are copied to the host in one sync, and the steps in between run on those floats (see
     :mod:`adaloss.adaptive.ops` for where the remaining time goes). Under gradient accumulation every
-    ``scale()`` of one iteration uses the betas of its first backward pass.
+    ``scale()`` of one iteration uses the betas of its first backward pass. Layers and branch points that no
+    gradient reaches (frozen layers while fine-tuning, a model input used by two layers) get no scales, and
+    the steps in between go without them; the attached model notes at each forward pass which parameters
+    and inputs require gradients, and a change there (unfreezing a stage) makes that step a recompute step.
 
     Where gradients are unscaled: conv/linear weight and bias gradients during the backward pass, per call of
     the layer (so a layer used twice gets each contribution unscaled by its own alpha); gradients of other
