@@ -563,6 +563,40 @@ def test_unfreezing_recomputes_on_the_next_step(fused_nodes):
     assert all(torch.isfinite(w).all() for w in weights)
 
 
+def test_reaching_an_unplanned_branch_point_on_a_reuse_step_is_a_clear_error():
+    """A change that the requires_grad signature cannot see (simulated here by overwriting it) must not
+    sum gradients of different scales unnoticed: the Python reuse pass names the point and the fix."""
+    from adaloss.numerics import fused
+    from adaloss.numerics.emulation import EmulatedAutocast
+
+    torch.manual_seed(0)
+    model = _cifar("resnet20")
+    for name, p in model.named_parameters():
+        if not name.startswith(("layer3", "fc")):
+            p.requires_grad_(False)
+    scaler = AdaptiveLossScaler(update_every=3)
+    model = scaler.attach(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    x, y = torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))
+    with fused.disabled():
+        for step in range(2):
+            if step == 1:
+                for p in model.parameters():
+                    p.requires_grad_(True)
+            with EmulatedAutocast(FP16):
+                loss = nn.functional.cross_entropy(model(x), y)
+            if step == 0:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad(set_to_none=True)
+                continue
+            scaler.state.reach_sig = scaler.state.fwd_sig  # hide the change from the scaler
+            scaler.state.recompute_requested = False
+            with pytest.raises(RuntimeError, match="needs a gradient now but got none"):
+                scaler.scale(loss).backward()
+
+
 # ----------------------------------------------------------------------------------------- numerical effect
 
 

@@ -243,6 +243,15 @@ class BranchPoint:
     out_slot: int = -1
 
 
+def unplanned_point(name: str) -> RuntimeError:
+    """A reuse pass reached a point that no gradient reached in the last recompute pass, although which
+    tensors need gradients looked unchanged (:class:`GradSignature` sees parameters and inputs only)."""
+    return RuntimeError(
+        f"adaptive loss scaling: '{name}' needs a gradient now but got none when the scales were last "
+        "computed; call scaler.recompute_next() before the forward pass after changing requires_grad"
+    )
+
+
 class GradSignature:
     """Forward pre-hook of an attached model: records which tensors need gradients in this forward pass.
 
@@ -562,8 +571,7 @@ class AdaptiveState:
             return
         missing = self.has_unreached()
         # Points the last recompute pass did not reach may stay without scales while nothing else changed
-        # (a reuse pass that does reach one after all computes its scales as it goes, see ScaledGEMM and
-        # Rescale); with no such pass on record, every point needs its scales first.
+        # (GradSignature); with no such pass on record, every point needs its scales first.
         if recompute or (missing and (self.reach_sig is None or self.fwd_sig != self.reach_sig)):
             self.recompute = True
             self.host = host_recompute and root_host is not None
@@ -951,9 +959,9 @@ class Rescale(torch.autograd.Function):
         if not present:
             return (None, None, *grads)
         factors: list[Any]
-        if state.host and (state.recompute or state.branch_factors_host[k] is None):
-            # Algorithm 5 on host floats (CPU, native kernels); on a reuse pass, for a point no gradient
-            # reached in the last recompute pass
+        if state.host and not state.recompute and state.branch_factors_host[k] is None:
+            raise unplanned_point(point.name)
+        if state.host and state.recompute:  # Algorithm 5 on host floats (CPU, native kernels)
             alphas = [state.read_alpha(point.in_slots[i], point.name) for i in present]
             maxima = [native.max_abs_host(grads[i]) for i in present]
             common = branch_loss_scale_host(alphas, maxima, state.u_max)

@@ -30,7 +30,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from adaloss.adaptive.ops import AdaptiveState, BranchPoint, GradRound, Rescale, ScaledGEMM
+from adaloss.adaptive.ops import AdaptiveState, BranchPoint, GradRound, Rescale, ScaledGEMM, unplanned_point
 from adaloss.errors import ConfigError
 from adaloss.numerics import fused
 from adaloss.numerics.emulation import active_emulation, is_low_precision, mark_low_precision
@@ -122,7 +122,7 @@ class AdaptiveGEMM(nn.Module):
                 entry = state.plan.gemm[point_index]  # type: ignore[union-attr]
                 if entry is None:  # no gradient reached this point in the last recompute pass
                     if x.requires_grad or any(p is not None and p.requires_grad for p in (w, self.bias)):
-                        raise _unplanned(state.gemms[point_index].name)
+                        raise unplanned_point(state.gemms[point_index].name)
                     entry = (1.0, 1.0)  # no node is recorded: nothing requires a gradient
                 beta, inv_alpha = entry
                 y = fused.gemm(x, self.weight, self.bias, self._fused_spec, round_x, False, beta, inv_alpha)
@@ -186,7 +186,7 @@ class BranchModule(nn.Module):
                 factors = state.plan.branch[k]  # type: ignore[union-attr]
                 if factors is None:  # no gradient reached this point in the last recompute pass
                     if any(x.requires_grad for x in xs):
-                        raise _unplanned(self.point.name)
+                        raise unplanned_point(self.point.name)
                     return list(xs)
                 if all(f == 1.0 for f in factors):
                     # Nothing to rescale: autograd's own accumulation is this point's backward, so no node
@@ -203,15 +203,6 @@ class BranchModule(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.point.name}, {len(self.point.in_slots)} consumers"
-
-
-def _unplanned(name: str) -> RuntimeError:
-    """A reuse pass reached a point the last recompute pass did not, in a forward pass built before that
-    was known (the scaler's forward pre-hook normally notices first and recomputes)."""
-    return RuntimeError(
-        f"adaptive loss scaling: '{name}' needs a gradient now but got none when the scales were last "
-        "computed; call scaler.recompute_next() before the forward pass after changing requires_grad"
-    )
 
 
 def _layer_spec(layer: nn.Module, path: str) -> dict[str, Any]:
