@@ -500,6 +500,18 @@ def test_branch_point_on_an_unrounded_input_leaves_its_rounding_to_the_consumers
     assert not is_low_precision(x)  # the caller's tensor is not marked
 
 
+def _frozen_resnet20():
+    """ResNet-20 with its stem and first two stages frozen (fine-tuning the rest), attached to an adaptive
+    scaler with update_every=3."""
+    torch.manual_seed(0)
+    model = _cifar("resnet20")
+    for name, p in model.named_parameters():
+        if not name.startswith(("layer3", "fc")):
+            p.requires_grad_(False)
+    scaler = AdaptiveLossScaler(update_every=3)
+    return scaler, scaler.attach(model)
+
+
 def _frozen_run(fused_nodes: bool, steps: int, unfreeze_at: int | None = None):
     """ResNet-20 in emulated FP16 with its stem and first two stages frozen (fine-tuning the rest),
     update_every=3; optionally everything unfrozen before step ``unfreeze_at``."""
@@ -508,13 +520,7 @@ def _frozen_run(fused_nodes: bool, steps: int, unfreeze_at: int | None = None):
     from adaloss.numerics import fused
     from adaloss.numerics.emulation import EmulatedAutocast
 
-    torch.manual_seed(0)
-    model = _cifar("resnet20")
-    for name, p in model.named_parameters():
-        if not name.startswith(("layer3", "fc")):
-            p.requires_grad_(False)
-    scaler = AdaptiveLossScaler(update_every=3)
-    model = scaler.attach(model)
+    scaler, model = _frozen_resnet20()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     g = torch.Generator().manual_seed(1)
     kinds, unreached = [], []
@@ -569,13 +575,7 @@ def test_reaching_an_unplanned_branch_point_on_a_reuse_step_is_a_clear_error():
     from adaloss.numerics import fused
     from adaloss.numerics.emulation import EmulatedAutocast
 
-    torch.manual_seed(0)
-    model = _cifar("resnet20")
-    for name, p in model.named_parameters():
-        if not name.startswith(("layer3", "fc")):
-            p.requires_grad_(False)
-    scaler = AdaptiveLossScaler(update_every=3)
-    model = scaler.attach(model)
+    scaler, model = _frozen_resnet20()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     x, y = torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))
     with fused.disabled():
