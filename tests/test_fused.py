@@ -113,17 +113,19 @@ def test_emulated_training_is_identical_with_and_without_fused_nodes(name):
     assert all(torch.equal(a, b) for a, b in zip(fast, ref, strict=True))
 
 
-def test_adaptive_training_is_identical_with_and_without_fused_nodes():
-    """Reuse steps build fused nodes carrying the planned scales: same weights and scales, bit for bit."""
+@pytest.mark.parametrize("rule", ["reference", "paper"])
+def test_adaptive_training_is_identical_with_and_without_fused_nodes(rule):
+    """Reuse steps build fused nodes carrying the planned scales, recompute steps compute them with the
+    rule's arithmetic in C: same weights and scales as the Python nodes, bit for bit, under both rules."""
     used = []
 
     def record(scaler):
         used.append(scaler.state.fused_built)
 
-    fast_scaler = AdaptiveLossScaler(update_every=3, init_scale=2.0**-10)
+    fast_scaler = AdaptiveLossScaler(update_every=3, init_scale=2.0**-10, rule=rule)
     fast = _train(fast_scaler, 7, record=record)
     with fused.disabled():
-        ref_scaler = AdaptiveLossScaler(update_every=3, init_scale=2.0**-10)
+        ref_scaler = AdaptiveLossScaler(update_every=3, init_scale=2.0**-10, rule=rule)
         ref = _train(ref_scaler, 7)
     # steps 0, 3, 6 recompute, the others reuse: each forward pass builds the matching fused nodes
     assert used == ["recompute", "reuse", "reuse", "recompute", "reuse", "reuse", "recompute"]
@@ -149,7 +151,8 @@ def test_reuse_pass_builds_branch_nodes_only_where_a_factor_is_not_one():
     builds no node (and no views) for it. The others keep their fused node; the bitwise test above
     trains through both kinds."""
     torch.manual_seed(0)
-    scaler = AdaptiveLossScaler(update_every=10)
+    # the paper's rule: at this initialization it rescales some of ResNet-20's branch points and not others
+    scaler = AdaptiveLossScaler(update_every=10, rule="paper")
     model = scaler.attach(build_model(OmegaConf.create({"name": "resnet20", "depth": 20}), 10))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))

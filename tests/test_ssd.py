@@ -123,9 +123,10 @@ def _one_box_per_map(detector):
     return [{"boxes": torch.stack(boxes), "labels": labels}]
 
 
-def test_adaptive_scaling_gives_plain_backprop_gradients_in_float64():
+@pytest.mark.parametrize("rule", ["reference", "paper"])
+def test_adaptive_scaling_gives_plain_backprop_gradients_in_float64(rule):
     """The adaptive issue's exactness test on SSD: its branches (feature maps feeding a head and the next
-    layer) get rescaled, and the unscaled gradients equal plain backprop."""
+    layer) get rescaled, and the unscaled gradients equal plain backprop, under both scale rules."""
     torch.manual_seed(0)
     reference = build_detector({"name": "ssd512", "image_size": SMALL}, num_classes=3).double()
     detector = copy.deepcopy(reference)
@@ -135,7 +136,7 @@ def test_adaptive_scaling_gives_plain_backprop_gradients_in_float64():
 
     (reference.loss(reference.net(x), targets).total * loss_factor).backward()
 
-    scaler = AdaptiveLossScaler(update_every=1)
+    scaler = AdaptiveLossScaler(update_every=1, rule=rule)
     net = scaler.attach(detector.net)
     assert {id(p) for p in net.parameters()} == {id(p) for p in detector.net.parameters()}
     loss = detector.loss(net(x), targets).total * loss_factor

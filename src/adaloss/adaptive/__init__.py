@@ -1,12 +1,25 @@
-"""Adaptive loss scaling internals: the autograd ops (Algorithms 3-5) and the torch.fx rewrite."""
+"""Adaptive loss scaling internals: the scale rules (Algorithms 4 and 5), the autograd ops (Algorithm 3) and
+the torch.fx rewrite."""
 
-from adaloss.adaptive.ops import AdaptiveState, branch_loss_scale, gemm_loss_scale
+from adaloss.adaptive.ops import AdaptiveState
+from adaloss.adaptive.rules import (
+    RULES,
+    ScaleRule,
+    backward_fan_in,
+    branch_loss_scale,
+    branch_loss_scale_host,
+    gemm_loss_scale,
+)
 from adaloss.adaptive.transform import AdaptiveTransformError, attach_adaptive
 
 __all__ = [
+    "RULES",
     "AdaptiveState",
     "AdaptiveTransformError",
+    "ScaleRule",
     "attach_adaptive",
+    "backward_fan_in",
     "branch_loss_scale",
+    "branch_loss_scale_host",
     "gemm_loss_scale",
 ]

@@ -9,15 +9,19 @@ emitted it (that wiring is static and comes from :mod:`adaloss.adaptive.transfor
 between points and pass alpha through unchanged (section 3.2.2), so they need no code at all.
 
 * :class:`ScaledGEMM` (conv, linear): receives ``delta_j`` scaled by ``alpha_j``; computes the local scale
-  ``beta`` from the statistics of its weight and ``delta_j`` (:func:`gemm_loss_scale`, Algorithm 4); computes
-  the input gradient with the weight scaled by ``beta`` (the paper's "scale W_i before computing the input
-  gradient", which equals ``Backprop(beta * delta_j)``) and emits ``alpha_j * beta``; computes the weight
-  gradient from ``delta_j`` and divides it by ``alpha_j`` in FP32 so the master weights receive true
-  gradients.
+  ``beta`` from the statistics of its weight and ``delta_j`` (Algorithm 4, by the rule of
+  :mod:`adaloss.adaptive.rules`); computes the input gradient as ``Backprop(beta * delta_j)``, the scaled
+  gradient stored in the gradient format (so an FP16 overflow of ``beta * delta_j`` is an overflow, as in
+  FP16 training; scaling the weight instead would overflow wherever ``beta * W`` does) and emits
+  ``alpha_j * beta``; computes the weight gradient from ``delta_j`` and divides it by ``alpha_j`` in FP32 so
+  the master weights receive true gradients.
 * :class:`Rescale` (branches, Algorithm 5): all gradients flowing into one tensor arrive together; they are
-  brought to one common alpha (:func:`branch_loss_scale`) and summed, the rescaling fused into the sum.
+  brought to one common alpha (:func:`~adaloss.adaptive.rules.branch_loss_scale`) and summed, the rescaling
+  fused into the sum.
 
-Nothing here synchronizes host and device: the statistics, betas and alphas stay on the device as tensors.
+Nothing here synchronizes host and device, and nothing copies host data to a device during a backward pass:
+the statistics, betas and alphas stay on the device as tensors, and each layer's constants of Algorithm 4
+are put on the device when the scaler is armed (``AdaptiveState.prepare_constants``).
 On update steps the scaler copies all betas, branch factors and branch alphas to the host once (one sync
 per ``update_every`` steps); on the other steps the ops run on those host copies: every alpha is a Python
 float, so no scalar device op runs at all, multiplications by exactly 1 are skipped and the rest take
@@ -29,9 +33,10 @@ tensors are filled alongside for checkpoints and telemetry.
 
 Where the time goes (emulated FP16 on the CPU, measured against the dynamic scaler): on a recompute step,
 one pass over each incoming gradient that also does the FP16 rounding the dynamic scaler does anyway, one
-pass per branch input (its max magnitude) and one over each weight for its statistics; on a reuse step only
-weight-sized work is added (the beta-scaled weight; the division of the weight gradient by alpha is fused
-into its rounding). In emulated FP16 on the CPU the Python nodes here are replaced by fused C++ nodes
+pass per branch input (its max magnitude) and one over each weight for its statistics; on every step the
+multiplication of the gradient by beta (fused into its rounding pass in the fused nodes; a pass of its own
+in the Python nodes) and the division of the weight gradient by alpha (fused into its rounding). In
+emulated FP16 on the CPU the Python nodes here are replaced by fused C++ nodes
 (:mod:`adaloss.numerics.fused`) that compute the same values: the scaler tells the forward pass which kind
 of pass follows (``AdaptiveState.fused_mode``), so on a reuse pass each layer's node carries its beta and
 ``1/alpha`` as constants (:class:`ReusePlan`), and on a recompute pass the nodes compute Algorithms 4 and 5
@@ -46,7 +51,6 @@ allocating a rescaled copy.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +58,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from adaloss.adaptive.rules import (
+    ScaleRule,
+    branch_loss_scale,
+    branch_loss_scale_host,
+    gemm_loss_scale,
+    grad_stats,
+    weight_factors,
+)
 from adaloss.numerics import native
 from adaloss.numerics.emulation import active_emulation, is_low_precision, mark_low_precision
 from adaloss.numerics.formats import round_to_format
@@ -62,34 +74,15 @@ __all__ = [
     "AdaptiveState",
     "GemmPoint",
     "BranchPoint",
-    "gemm_loss_scale",
-    "branch_loss_scale",
-    "branch_loss_scale_host",
     "ScaledGEMM",
     "GradRound",
     "Rescale",
 ]
 
 
-def _erfinv(p: float) -> float:
-    return float(torch.erfinv(torch.tensor(p, dtype=torch.float64)))
-
-
-_POW2_MASK = {torch.float32: (torch.int32, 0x7F800000), torch.float64: (torch.int64, 0x7FF0000000000000)}
-
-
-def _floor_pow2(x: torch.Tensor) -> torch.Tensor:
-    """Round positive values down to a power of two (section 3.2.3), so that (alpha*x)/alpha == x exactly.
-
-    For float32/float64 this clears the mantissa bits (one op, exact: ``exp2(floor(log2(x)))`` can round up
-    for values a few ulps below a power of two); infinities stay infinite, NaN becomes infinity and
-    subnormals become 0, which the caller maps to its fallback. Other dtypes use ``exp2(floor(log2(x)))``.
-    """
-    mask = _POW2_MASK.get(x.dtype)
-    if mask is None:
-        return torch.exp2(torch.floor(torch.log2(x)))
-    int_dtype, bits = mask
-    return torch.bitwise_and(x.view(int_dtype), bits).view(x.dtype)
+def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype Algorithm 4's statistics of a tensor are taken in: float64 for float64, else float32."""
+    return torch.float64 if dtype is torch.float64 else torch.float32
 
 
 def _max_abs(x: torch.Tensor) -> torch.Tensor:
@@ -98,134 +91,14 @@ def _max_abs(x: torch.Tensor) -> torch.Tensor:
     return torch.maximum(-lo, hi)
 
 
-@functools.lru_cache(maxsize=32)
-def _erfinv_factor(t_uf: float) -> float:
-    return math.sqrt(2.0) * _erfinv(t_uf)
-
-
-def weight_factors(
-    weights: list[torch.Tensor], delta_numels: list[int], u_min: float, u_max: float, t_uf: float
-) -> list[torch.Tensor]:
-    """The weight-dependent part of Algorithm 4 for several GEMM points at once (no host sync).
-
-    With ``ms = ||x||^2 / n`` the two bounds of :func:`gemm_loss_scale` factor as
-    ``lower = P0 / ||delta||`` with ``P0 = u_min sqrt(n_w n_g) / (sqrt(2) erfinv(t_uf) ||W||)`` and
-    ``upper = P1 / max|delta|`` with ``P1 = u_max / max|W|``. Returns, per point, the 3-vector
-    ``[P0, P1, P1]`` (``P1`` twice: it is divided by ``|min delta|`` and ``|max delta|``). Computed per
-    (device, dtype) group: for float32 CPU weights by one native call (:func:`adaloss.numerics.native.
-    weight_factors`: one pass per weight, the norm accumulated in double), otherwise with two
-    ``_foreach_norm`` calls and a handful of vector ops, instead of about ten scalar ops per layer;
-    low-precision weights are reduced in float32.
-    """
-    out: list[torch.Tensor | None] = [None] * len(weights)
-    groups: dict[tuple, list[int]] = {}
-    for i, w in enumerate(weights):
-        groups.setdefault((w.device, w.dtype), []).append(i)
-    k = _erfinv_factor(t_uf)
-    for (device, dtype), idx in groups.items():
-        ws = [weights[i] for i in idx]
-        consts_host = [u_min * math.sqrt(weights[i].numel() * delta_numels[i]) / k for i in idx]
-        fused = native.weight_factors(ws, consts_host, u_max)  # float32 CPU weights: one native call
-        if fused is not None:
-            for i, row in zip(idx, fused.unbind(0), strict=True):
-                out[i] = row
-            continue
-        red = None if dtype in (torch.float32, torch.float64) else torch.float32
-        out_dtype = dtype if red is None else red
-        if len(ws) == 1:
-            w = ws[0]
-            norms = torch.linalg.vector_norm(w, dtype=red).reshape(1)
-            maxs = _max_abs(w).to(out_dtype).reshape(1)
-        else:
-            norms = torch.stack(torch._foreach_norm(ws, 2, dtype=red))
-            maxs = torch.stack(torch._foreach_norm(ws, math.inf, dtype=red))
-        consts = torch.tensor(consts_host, dtype=out_dtype, device=device)
-        upper = u_max / maxs
-        rows = torch.stack([consts / norms, upper, upper], dim=1).unbind(0)
-        for i, row in zip(idx, rows, strict=True):
-            out[i] = row
-    return out  # type: ignore[return-value]
-
-
-def gemm_loss_scale(
-    weight: torch.Tensor,
-    delta: torch.Tensor,
-    u_min: float,
-    u_max: float,
-    t_uf: float,
-    allow_below_one: bool = False,
-    reduce_fn: Any = None,
-    factors: torch.Tensor | None = None,
-    stats: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Algorithm 4 plus the post-processing of section 3.2.3: the local scale ``beta`` of one GEMM layer.
-
-    With ``w ~ N(mu_w, sigma_w^2)`` and ``g ~ N(mu_g, sigma_g^2)`` the product ``p = w*g`` has
-    ``sigma_p^2 = (sigma_w^2 + mu_w^2)(sigma_g^2 + mu_g^2)``, and each factor is just a second moment
-    (``sigma^2 + mu^2 = E[x^2]``), so one pass over each tensor gives it. The lower bound that keeps
-    ``P(|beta*p| <= u_min)`` under ``t_uf`` is ``u_min / (sigma_p * sqrt(2) * erfinv(t_uf))``; the overflow
-    bound ``u_max / (max|W| * max|delta|)`` replaces it when smaller. The result is rounded down to a power of
-    two, kept at 1 or above unless ``allow_below_one``, and falls back to 1 when the gradient is all zeros
-    (or holds Inf/NaN).
-
-    Cost: the statistics of ``delta`` (its norm, its min and max) in one pass of the native kernel for a
-    float32 CPU tensor (:func:`adaloss.numerics.native.grad_stats`), else two torch reductions; then about
-    ten scalar ops. ``stats`` may bring them precomputed, as ``[||delta||, |min delta|, |max delta|]``.
-    The weight's part (two reductions over ``weight``) comes precomputed as ``factors`` (see
-    :func:`weight_factors`) or is computed here. No host sync.
-    ``reduce_fn(second_moment, max_abs)`` may all-reduce the delta statistics across ranks.
-    """
-    n_g = delta.numel()
-    if factors is None:
-        factors = weight_factors([weight], [n_g], u_min, u_max, t_uf)[0]
-    if stats is None:
-        fused = native.grad_stats(delta, round_fp16=False)  # one native pass for a float32 CPU tensor
-        stats = fused[1] if fused is not None else None
-    if stats is None:
-        red = None if delta.dtype in (torch.float32, torch.float64) else torch.float32
-        norm_g = torch.linalg.vector_norm(delta, dtype=red)
-        lo, hi = torch.aminmax(delta)
-        stats = torch.stack([norm_g, lo.to(norm_g.dtype), hi.to(norm_g.dtype)]).abs_()
-    if reduce_fn is not None:
-        ms_g, max_g = reduce_fn(stats[0].square() / n_g, stats[1:].amax())
-        max_g = max_g.reshape(())
-        stats = torch.stack([torch.sqrt(ms_g * n_g).reshape(()), max_g, max_g])
-    # [P0/||delta||, P1/|min delta|, P1/|max delta|]: the smallest is min(lower, upper)
-    beta = (factors / stats).amin()
-    if allow_below_one:
-        beta = _floor_pow2(beta)
-        return torch.where((beta > 0) & (beta < math.inf), beta, torch.ones_like(beta))
-    beta = _floor_pow2(beta.clamp_(min=1.0))  # NaN (from a NaN gradient) becomes +inf here
-    return torch.nan_to_num_(beta, posinf=1.0)
-
-
-def branch_loss_scale(alphas: torch.Tensor, max_abs: torch.Tensor, u_max: float) -> torch.Tensor:
-    """Algorithm 5: the common alpha for gradients ``delta_k`` (scaled by ``alphas[k]``) meeting at a branch.
-
-    Candidates are the incoming alphas in descending order; the first (largest) one under which every
-    rescaled gradient ``(alpha / alphas[k]) * delta_k`` stays below ``u_max`` wins. If none does, the smallest
-    alpha is used (the step will then overflow and be skipped). Vectorized: no host sync.
-    """
-    ratio = alphas[:, None] / alphas[None, :]  # [candidate, input]
-    ok = (ratio * max_abs[None, :] < u_max).all(dim=1)
-    best = torch.where(ok, alphas, torch.zeros_like(alphas)).amax()
-    return torch.where(ok.any(), best, alphas.amin())
-
-
-def branch_loss_scale_host(alphas: list[float], maxima: list[float], u_max: float) -> float:
-    """:func:`branch_loss_scale` on host floats, with the same result: the alphas are powers of two, so every
-    ``(alpha / alphas[k]) * maxima[k]`` is exact in float32 and in double alike (up to float32 overflow,
-    which fails the ``< u_max`` test either way), and NaN maxima fail it too."""
-    ok = [c for c in alphas if all((c / a) * m < u_max for a, m in zip(alphas, maxima, strict=True))]
-    return max(ok) if ok else min(alphas)
-
-
 @dataclass
 class GemmPoint:
     """A scaling point at one call of a conv/linear layer (a module called twice has two points)."""
 
     index: int
     name: str  # module path, with "#k" for the k-th extra call of the same module
+    fan_in: int = 1  # F, the layer's backward fan-in (rules.backward_fan_in)
+    constants: tuple[float, float] = (1.0, 1.0)  # (A, B) of Algorithm 4 for this layer (ScaleRule)
     in_slot: int = -1  # slot holding alpha_j of the gradient this layer receives
     out_slot: int = -1  # slot this layer writes alpha_j * beta into
     # (branch index, consumer index) when this call's input is directly one alias of a branch point, so
@@ -320,17 +193,9 @@ class AdaptiveState:
     float: the ops then multiply by Python scalars, skip factors equal to 1, and run no scalar device ops.
     """
 
-    def __init__(
-        self,
-        u_min: float,
-        u_max: float,
-        t_uf: float,
-        allow_below_one: bool,
-    ) -> None:
-        self.u_min = u_min
-        self.u_max = u_max
-        self.t_uf = t_uf
-        self.allow_below_one = allow_below_one
+    def __init__(self, rule: ScaleRule) -> None:
+        self.rule = rule
+        self.u_max = rule.u_max
         self.gemms: list[GemmPoint] = []
         self.branches: list[BranchPoint] = []
         self.num_slots = 1
@@ -347,9 +212,12 @@ class AdaptiveState:
         self.host = False
         self.reduce_fn: Any = None
         self.param_slots: dict[str, int] = {}  # non-GEMM parameters -> slot of the gradient that scales them
-        # the weight each GEMM point's forward used and its output size, for the batched weight statistics
-        self.fwd_weight: list[tuple[torch.Tensor, int] | None] = []
+        # the weight each GEMM point's forward used, for the batched weight statistics
+        self.fwd_weight: list[torch.Tensor | None] = []
         self._weight_factors: list[torch.Tensor | None] | None = None
+        # every GEMM point's (A, B) (GemmPoint.constants) as a [points, 2] tensor per (device, dtype): made
+        # when the scaler is armed (``prepare_constants``), so no backward pass copies host data to a device
+        self._constants: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         # input gradients made by GEMM points that feed a branch directly (see ``GemmPoint.feeds``)
         self.fresh: dict[tuple[int, int], torch.Tensor] = {}
         # statistics GradRound took of a rounded gradient, keyed by id() of that tensor (see GradRound)
@@ -368,7 +236,6 @@ class AdaptiveState:
         self.recompute_requested = False  # set by GradSignature: the scaler recomputes on this step
         self.record: torch.Tensor | None = None
         self.record_where: dict[str, Any] = {}
-        self.record_consts: tuple[float, float, float] = (u_min, u_max, _erfinv_factor(t_uf))
         self._record_pending = False
 
     def new_slot(self) -> int:
@@ -376,8 +243,9 @@ class AdaptiveState:
         self.alpha.append(None)
         return self.num_slots - 1
 
-    def add_gemm(self, name: str) -> GemmPoint:
-        point = GemmPoint(len(self.gemms), name)
+    def add_gemm(self, name: str, fan_in: int = 1, n_weights: int = 1) -> GemmPoint:
+        point = GemmPoint(len(self.gemms), name, fan_in, self.rule.layer_constants(n_weights, fan_in))
+        self._constants = {}
         point.out_slot = self.new_slot()
         self.gemms.append(point)
         self.beta.append(None)
@@ -465,9 +333,13 @@ class AdaptiveState:
         self.plan = None
         if self.record is None:
             at = self.num_slots
-            gemm = []
+            gemm, consts = [], []
+            scale_ub = self.rule.scale_upper_bound
+            accum_ub = self.rule.accum_upper_bound
+            bounds = (math.inf if scale_ub is None else scale_ub, math.inf if accum_ub is None else accum_ub)
             for p in self.gemms:
-                gemm.append((p.in_slot, p.out_slot, at, int(self.allow_below_one)))
+                gemm.append((p.in_slot, p.out_slot, at, self.rule.flags))
+                consts.append((*p.constants, *bounds))
                 at += 1
             branch = []
             for b in self.branches:
@@ -475,7 +347,7 @@ class AdaptiveState:
                 branch.append([b.out_slot, at, at + 1, at + 1 + n, *b.in_slots])
                 at += 1 + 2 * n
             self.record = torch.full((at,), math.nan, dtype=torch.float64)
-            self.record_where = {"gemm": gemm, "branch": branch}
+            self.record_where = {"gemm": gemm, "branch": branch, "gemm_consts": consts}
         self.fused_mode = "recompute"
 
     def sync_record(self) -> None:
@@ -612,29 +484,60 @@ class AdaptiveState:
             )
         return a
 
-    def factors_for(self, index: int, delta: torch.Tensor) -> torch.Tensor | None:
-        """Point ``index``'s weight factors for :func:`gemm_loss_scale`, computed for every point at once on
-        the first call of a recompute pass (from the weights the forward pass recorded). ``None`` (compute
-        them per layer) if the point's forward was not recorded or saw a different gradient size."""
+    def prepare_constants(self, weights: list[torch.Tensor]) -> None:
+        """Make every GEMM point's ``(A, B)`` available on the device, in the dtype, in which ``weights``'
+        statistics are taken (float64 for float64 weights, else float32): one host-to-device copy per new
+        (device, dtype), here rather than in a backward pass. The scaler calls this from ``scale()``."""
+        for w in weights:
+            key = (w.device, _stat_dtype(w.dtype))
+            if key not in self._constants:
+                rows = [p.constants for p in self.gemms]
+                self._constants[key] = torch.tensor(rows, dtype=key[1], device=key[0]).reshape(-1, 2)
+
+    def _constant_rows(self, indices: list[int], weight: torch.Tensor) -> torch.Tensor:
+        """The ``[len(indices), 2]`` constants of points ``indices`` for statistics of ``weight``: views
+        and device ops on the table ``prepare_constants`` made (made here if it was not, for direct use of
+        the ops outside a scaler)."""
+        key = (weight.device, _stat_dtype(weight.dtype))
+        if key not in self._constants:
+            self.prepare_constants([weight])
+        table = self._constants[key]
+        if indices == list(range(len(self.gemms))):
+            return table
+        if len(indices) == 1:
+            return table[indices[0] : indices[0] + 1]
+        return torch.stack([table[i] for i in indices])
+
+    def layer_factors(self, index: int, weight: torch.Tensor) -> torch.Tensor:
+        """Point ``index``'s weight factors from ``weight`` alone (a point whose forward was not recorded,
+        or a distributed pass). No host sync, no host-to-device copy once the constants are prepared."""
+        fused = native.weight_factors([weight], [self.gemms[index].constants])
+        if fused is not None:
+            return fused[0]
+        return weight_factors([weight], self._constant_rows([index], weight))[0]
+
+    def factors_for(self, index: int) -> torch.Tensor | None:
+        """Point ``index``'s weight factors for Algorithm 4, computed for every recorded point at once on
+        the first call of a recompute pass (from the weights the forward pass recorded), per (device, dtype)
+        group: for float32 CPU weights by one native call, else two ``_foreach_norm`` calls and three vector
+        ops. ``None`` if the point's forward was not recorded (then use :meth:`layer_factors`)."""
         if self._weight_factors is None:
-            recorded = [(i, rec) for i, rec in enumerate(self.fwd_weight) if rec is not None]
             self._weight_factors = [None] * len(self.fwd_weight)
-            if recorded:
-                rows = weight_factors(
-                    [w for _, (w, _) in recorded],
-                    [n for _, (_, n) in recorded],
-                    self.u_min,
-                    self.u_max,
-                    self.t_uf,
-                )
-                for (i, _), row in zip(recorded, rows, strict=True):
+            groups: dict[tuple, list[int]] = {}
+            for i, w in enumerate(self.fwd_weight):
+                if w is not None:
+                    groups.setdefault((w.device, w.dtype), []).append(i)
+            for idx in groups.values():
+                ws = [self.fwd_weight[i] for i in idx]
+                fused = native.weight_factors(ws, [self.gemms[i].constants for i in idx])
+                if fused is not None:
+                    rows = list(fused.unbind(0))
+                else:
+                    rows = weight_factors(ws, self._constant_rows(idx, ws[0]))
+                for i, row in zip(idx, rows, strict=True):
                     self._weight_factors[i] = row
             self.fwd_weight = [None] * len(self.fwd_weight)  # do not keep the weight copies alive
-            self._recorded_numel = {i: n for i, (_, n) in recorded}
-        row = self._weight_factors[index]
-        if row is None or self._recorded_numel.get(index) != delta.numel():
-            return None
-        return row
+        return self._weight_factors[index]
 
     def rescaled(self, index: int) -> torch.Tensor | None:
         """Whether branch ``index``'s incoming gradients had different alphas at the last recompute."""
@@ -671,17 +574,18 @@ class ScaledGEMM(torch.autograd.Function):
 
     ``spec`` describes the layer (``kind``: "linear" | "conv" | "conv_transpose", strides, padding, ...).
     In emulation it rounds like :class:`~adaloss.numerics.emulation.EmulatedAutocast` would around a GEMM:
-    the weight copy, the output, the beta-scaled weight used for the input gradient, and the weight
+    the weight copy, the output, the beta-scaled gradient used for the input gradient, and the weight
     gradient before it is unscaled into the FP32 master gradient; the incoming gradient arrives already
-    rounded (and counted for telemetry) by the :class:`GradRound` node on its output. Under CUDA autocast it
-    computes in the autocast dtype explicitly. ``record`` (grad mode was on at the call) lets the forward
+    rounded (and counted for telemetry) by the :class:`GradRound` node on its output. Under autocast (CUDA,
+    or the CPU's own FP16/BF16) it computes in the autocast dtype explicitly, backward pass included.
+    ``record`` (grad mode was on at the call) lets the forward
     pass leave its weight in the state for the batched weight statistics.
 
     Per backward call, beyond what the plain layer does: on a recompute pass the gradient's statistics
     (taken by GradRound in its rounding pass, or here in one native pass or two torch reductions) and the
-    beta arithmetic (one native call, or about ten scalar ops); on every pass one multiply of the weight by
-    beta (skipped when beta is known to be 1) and the division of the weight gradient by alpha (skipped when
-    alpha is known to be 1), each fused with its FP16 rounding for host scales on the CPU.
+    beta arithmetic (one native call, or about ten scalar ops); on every pass one multiply of the incoming
+    gradient by beta (skipped when beta is known to be 1) and the division of the weight gradient by alpha
+    (skipped when alpha is known to be 1), each fused with its FP16 rounding for host scales on the CPU.
     """
 
     @staticmethod
@@ -703,9 +607,11 @@ class ScaledGEMM(torch.autograd.Function):
         ctx.point, ctx.state, ctx.spec = point, state, spec
         ctx.x_dtype = x.dtype
         ctx.w_dtype = weight.dtype  # the master weight's dtype: unscaled gradients are returned in it
+        # Under autocast (any device type: CUDA, or the CPU's real FP16/BF16 kernels) the layer computes in
+        # the autocast dtype, and so does its backward pass, which autocast does not cover: cast explicitly.
         dtype = None
-        if x.is_cuda and torch.is_autocast_enabled("cuda"):
-            dtype = torch.get_autocast_dtype("cuda")
+        if torch.is_autocast_enabled(x.device.type):
+            dtype = torch.get_autocast_dtype(x.device.type)
         if dtype is not None:
             x, weight = x.to(dtype), weight.to(dtype)
             bias = bias.to(dtype) if bias is not None else None
@@ -725,7 +631,7 @@ class ScaledGEMM(torch.autograd.Function):
         ctx.has_bias = bias is not None
         ctx.save_for_backward(x, weight)
         if record:
-            state.fwd_weight[point.index] = (weight, y.numel())
+            state.fwd_weight[point.index] = weight
         if fmt is not None:
             mark_low_precision(y)
         return y
@@ -753,73 +659,97 @@ class ScaledGEMM(torch.autograd.Function):
         if delta.dtype != w.dtype:
             delta = delta.to(w.dtype)
 
+        rule = state.rule
         if state.host and state.recompute:  # a recompute pass on host floats (CPU, native kernels)
-            factors = state.factors_for(k, delta)
+            factors = state.factors_for(k)
             if factors is None:
-                factors = weight_factors([w], [delta.numel()], state.u_min, state.u_max, state.t_uf)[0]
+                factors = state.layer_factors(k, w)
             if stats is None:  # no GradRound before this point (no gradient format, or not FP16)
                 stats = native.grad_stats(delta, False, always=True)[1]
-            beta_t, beta = native.beta_host(factors, stats, state.allow_below_one)
+            beta_t, beta = native.beta_host(
+                factors, stats, math.sqrt(delta.numel()), rule.flags, rule.cap(alpha_j)
+            )
             state.beta[k] = beta_t
             state.beta_host[k] = beta
             state.alpha[point.out_slot] = alpha_j * beta
-            beta_is_one = beta == 1.0
         elif state.host:  # reuse pass with host copies: plain floats, nothing to compute on the device
             beta = state.beta_host[k]
             state.alpha[point.out_slot] = alpha_j * beta
-            beta_is_one = beta == 1.0
         else:
             if state.recompute or state.beta[k] is None:
-                beta = gemm_loss_scale(
-                    w,
-                    delta,
-                    state.u_min,
-                    state.u_max,
-                    state.t_uf,
-                    state.allow_below_one,
-                    state.reduce_fn,
-                    factors=None if state.reduce_fn is not None else state.factors_for(k, delta),
-                    stats=stats,
-                )
+                beta = ScaledGEMM._device_beta(state, k, w, delta, alpha_j, stats)
                 state.beta[k] = beta
             else:
                 beta = state.beta[k]
             state.alpha[point.out_slot] = alpha_j * beta
-            beta_is_one = False
 
-        return ScaledGEMM._gradients(ctx, delta, x, w, alpha_j, beta, beta_is_one)
+        return ScaledGEMM._gradients(ctx, delta, x, w, alpha_j, beta)
 
     @staticmethod
-    def _gradients(ctx, delta, x, w, alpha_j, beta, beta_is_one):
-        """Input, weight and bias gradients from the (rounded) ``delta`` and the layer's beta."""
+    def _device_beta(state, k, w, delta, alpha_j, stats):
+        """Algorithm 4 on device tensors: the weight's factors (batched over the pass's layers unless the
+        statistics are reduced across ranks), the gradient's statistics (all-reduced under DDP), beta.
+        No host sync and no host-to-device copy (the constants were prepared when the scaler was armed)."""
+        n_g = delta.numel()
+        if state.reduce_fn is None:
+            factors = state.factors_for(k)
+        else:
+            factors = None
+        if factors is None:
+            factors = state.layer_factors(k, w)
+        if stats is None:
+            fused = native.grad_stats(delta, round_fp16=False)  # one native pass for a float32 CPU tensor
+            stats = fused[1] if fused is not None else grad_stats(delta)
+        if state.reduce_fn is not None:
+            ms_g, max_g = state.reduce_fn(stats[0].square() / n_g, stats[1:].amax())
+            max_g = max_g.reshape(())
+            stats = torch.stack([torch.sqrt(ms_g * n_g).reshape(()), max_g, max_g])
+        return gemm_loss_scale(w, delta, state.rule, alpha_in=alpha_j, factors=factors, stats=stats)
+
+    @staticmethod
+    def _gradients(ctx, delta, x, w, alpha_j, beta):
+        """Input, weight and bias gradients from the (rounded) ``delta`` and the layer's beta (Algorithm 3).
+
+        The input gradient is ``Backprop(beta * delta)``: the gradient is scaled, stored in the gradient
+        format (an FP16 product beyond 65504 becomes infinite, as in FP16 training), then multiplied by the
+        weight. The weight and bias gradients come from ``delta`` and are divided by ``alpha_j``.
+
+        One tensor serves both when beta is a host float above 1 and the layer computes in float32/64 (the
+        emulation, float64 checks): ``beta * delta`` is then exact unless it overflows, and the weight
+        gradient computed from it and divided by beta has the same bits as one computed from ``delta``;
+        when it overflows, the weight gradient is infinite too and the step is skipped (the fused C++ nodes
+        do exactly this). Otherwise (a device beta, whose value the host does not know; beta below 1, where
+        the product loses bits; half-precision compute, where ``beta * grad_W`` could overflow) the two
+        come from separate tensors: one more convolution call, the same total work.
+        """
         point, state, spec, grad_fmt, fp16 = ctx.point, ctx.state, ctx.spec, ctx.grad_fmt, ctx.fp16
         grad_x = grad_w = grad_b = None
         needs = ctx.needs_input_grad
         need_x = needs[0]
         need_w = needs[1] or (ctx.has_bias and needs[2])
-        # Paper: "beta is used to scale W before computing the scaled input activation gradients"; this
-        # equals Backprop(beta * delta) and touches only weight-sized data.
-        if not need_x or beta_is_one:
-            w_scaled = w
-        else:
-            # a host beta: multiply and round in one native pass (beta is a power of two: exact either way)
-            w_scaled = native.round_f16(w, pre=beta) if fp16 and isinstance(beta, float) else None
-            if w_scaled is None:
-                w_scaled = w * beta
-                if grad_fmt is not None:
-                    w_scaled = round_to_format(w_scaled, grad_fmt)
+        need_b = need_w and ctx.has_bias
+        host_beta = isinstance(beta, float)
+        scaled, g_scale = delta, 1.0  # g_scale: what the tensor the weight gradient comes from carries
+        if need_x and not (host_beta and beta == 1.0):
+            scaled = _scaled_gradient(delta, beta, grad_fmt, fp16)
+            if host_beta and beta > 1.0 and delta.dtype in (torch.float32, torch.float64):
+                g_scale = beta
+        separate = scaled is not delta and g_scale == 1.0
         if spec["kind"] == "linear":
             if need_x:
-                grad_x = delta.matmul(w_scaled)
+                grad_x = scaled.matmul(w)
             if need_w:
-                d2 = delta.reshape(-1, delta.shape[-1])
+                src = delta if separate else scaled
+                d2 = src.reshape(-1, src.shape[-1])
                 grad_w = d2.t().matmul(x.reshape(-1, x.shape[-1]))
                 grad_b = d2.sum(0) if ctx.has_bias else None
+        elif separate:
+            grad_x = _conv_backward(scaled, x, w, spec, [True, False, False])[0]
+            if need_w:
+                _, grad_w, grad_b = _conv_backward(delta, x, w, spec, [False, True, need_b])
         else:
             # One call for both: the weight gradient depends on delta and x only, not on the weight.
-            grad_x, grad_w, grad_b = _conv_backward(
-                delta, x, w_scaled, spec, [need_x, need_w, need_w and ctx.has_bias]
-            )
+            grad_x, grad_w, grad_b = _conv_backward(scaled, x, w, spec, [need_x, need_w, need_b])
         if need_x:
             if grad_x.dtype is not ctx.x_dtype:
                 grad_x = grad_x.to(ctx.x_dtype)
@@ -827,25 +757,51 @@ class ScaledGEMM(torch.autograd.Function):
                 state.fresh[point.feeds] = grad_x
         if need_w:
             # The low-precision weight gradient reaches the FP32 master copy, then is unscaled there. Every
-            # tensor here is fresh (made by this backward), so dividing in place is safe; alpha is a power
-            # of two, so dividing equals multiplying by its reciprocal, exactly.
+            # tensor here is fresh (made by this backward), so dividing in place is safe; alpha (and
+            # g_scale) are powers of two, so dividing equals multiplying by the reciprocal, exactly.
             master = ctx.w_dtype
             done = None
             if fp16 and master == grad_w.dtype and isinstance(alpha_j, float) and _is_pow2(alpha_j):
-                # round and unscale in one native pass, in place unless grad_w is a view
+                # bring back g_scale, round and unscale in one native pass, in place unless grad_w is a view
                 out = grad_w if grad_w._base is None else None
-                done = native.round_f16(grad_w, out=out, pre=1.0, post=1.0 / alpha_j)
+                done = native.round_f16(grad_w, out=out, pre=1.0 / g_scale, post=1.0 / alpha_j)
             if done is not None:
                 grad_w = done
             else:
-                if grad_fmt is not None:
-                    grad_w = round_to_format(grad_w, grad_fmt)
-                grad_w = _unscaled(grad_w, master, alpha_j)
+                grad_w = _from_scaled(grad_w, g_scale, grad_fmt, master, alpha_j)
             if grad_b is not None:
-                if grad_fmt is not None:
-                    grad_b = round_to_format(grad_b, grad_fmt)
-                grad_b = _unscaled(grad_b, master, alpha_j)
+                grad_b = _from_scaled(grad_b, g_scale, grad_fmt, master, alpha_j)
         return grad_x, grad_w, grad_b, None, None, None, None
+
+
+def _scaled_gradient(
+    delta: torch.Tensor, beta: torch.Tensor | float, grad_fmt: Any, fp16: bool
+) -> torch.Tensor:
+    """``beta * delta`` stored in the gradient format (a new tensor; ``delta`` is already in the format).
+
+    For a host beta and a float32 CPU gradient in emulated FP16, one native pass; otherwise a multiply
+    (in the gradient's own dtype: real half tensors overflow as FP16 does) and, in emulation, a rounding.
+    """
+    if fp16 and isinstance(beta, float):
+        out = native.round_f16(delta, pre=beta)  # delta is FP16-valued: fp16(delta * beta)
+        if out is not None:
+            return out
+    scaled = delta * beta
+    if grad_fmt is not None:
+        scaled = round_to_format(scaled, grad_fmt)
+    return scaled
+
+
+def _from_scaled(
+    grad: torch.Tensor, g_scale: float, grad_fmt: Any, master: torch.dtype, alpha: torch.Tensor | float
+) -> torch.Tensor:
+    """A weight or bias gradient computed from a gradient carrying ``g_scale`` (beta, or 1): brought back
+    to ``delta``'s scale (exact, a power of two), rounded to the gradient format, divided by ``alpha``."""
+    if g_scale != 1.0:
+        grad = grad.mul_(1.0 / g_scale) if grad._base is None else grad * (1.0 / g_scale)
+    if grad_fmt is not None:
+        grad = round_to_format(grad, grad_fmt)
+    return _unscaled(grad, master, alpha)
 
 
 class GradRound(torch.autograd.Function):
@@ -964,7 +920,7 @@ class Rescale(torch.autograd.Function):
         if state.host and state.recompute:  # Algorithm 5 on host floats (CPU, native kernels)
             alphas = [state.read_alpha(point.in_slots[i], point.name) for i in present]
             maxima = [native.max_abs_host(grads[i]) for i in present]
-            common = branch_loss_scale_host(alphas, maxima, state.u_max)
+            common = branch_loss_scale_host(alphas, maxima, state.u_max, state.rule.name)
             factors = [common / a for a in alphas]
             full = [1.0] * len(grads)
             for i, f in zip(present, factors, strict=True):
@@ -989,7 +945,7 @@ class Rescale(torch.autograd.Function):
                     m = torch.stack(bounds).float().abs_().view(len(present), 2).amax(dim=1)
                 if state.reduce_fn is not None:
                     m = state.reduce_fn(None, m)[1]
-                common = branch_loss_scale(a, m, state.u_max)
+                common = branch_loss_scale(a, m, state.u_max, state.rule.name)
                 vec = common / a
                 state.branch_alpha[k] = common
                 state.branch_rescaled[k] = (a, common)

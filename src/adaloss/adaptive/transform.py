@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from adaloss.adaptive.ops import AdaptiveState, BranchPoint, GradRound, Rescale, ScaledGEMM, unplanned_point
+from adaloss.adaptive.rules import backward_fan_in
 from adaloss.errors import ConfigError
 from adaloss.numerics import fused
 from adaloss.numerics.emulation import active_emulation, is_low_precision, mark_low_precision
@@ -141,7 +142,7 @@ class AdaptiveGEMM(nn.Module):
                     False,
                     record=state.record,
                     where=state.record_where["gemm"][point_index],
-                    consts=state.record_consts,
+                    consts=state.record_where["gemm_consts"][point_index],
                 )
         state.fused_built = state.fused_mode
         return mark_low_precision(y)
@@ -199,7 +200,10 @@ class BranchModule(nn.Module):
                     "input in emulated FP16; set ADALOSS_FUSED=0 to use the Python nodes"
                 )
             where = state.record_where["branch"][k]
-            return fused.rescale(list(xs), [1.0] * len(xs), shared, state.record, where, state.u_max)
+            reference = state.rule.reference
+            return fused.rescale(
+                list(xs), [1.0] * len(xs), shared, state.record, where, state.u_max, reference
+            )
 
     def extra_repr(self) -> str:
         return f"{self.point.name}, {len(self.point.in_slots)} consumers"
@@ -319,9 +323,11 @@ def attach_adaptive(model: nn.Module, state: AdaptiveState) -> fx.GraphModule:
             )
         k = calls[node.target]
         calls[node.target] += 1
-        point = state.add_gemm(node.target if k == 0 else f"{node.target}#{k}")
         if node.target not in wrappers:
             wrappers[node.target] = AdaptiveGEMM(layer, state, node.target)
+        wrapper = wrappers[node.target]
+        fan_in = backward_fan_in(wrapper.spec["kind"], layer.weight.shape, wrapper.spec.get("groups", 1))
+        point = state.add_gemm(node.target if k == 0 else f"{node.target}#{k}", fan_in, layer.weight.numel())
         node.args = (node.args[0], point.index)
         gemm_nodes[node] = point
     for path, wrapper in wrappers.items():

@@ -17,7 +17,7 @@
 
 #define TARGET __attribute__((target("avx2,fma,f16c")))
 
-int adaloss_fast_abi(void) { return 8; }
+int adaloss_fast_abi(void) { return 9; }
 
 /* Whether this CPU has the instructions the kernels use (checked once by the loader). */
 int adaloss_cpu_ok(void) {
@@ -51,6 +51,22 @@ TARGET void adaloss_round_f16(const float *x, float *y, int64_t n, float pre, fl
     }
     for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_mul_ps(round8(_mm256_mul_ps(_mm256_loadu_ps(x + i), a8)), b8));
     for (; i < n; ++i) y[i] = round1(x[i] * pre) * post;
+}
+
+/* y[i] = fp16(fp16(x[i]) * scale): a gradient stored in FP16, then multiplied by a layer's beta and stored in
+ * FP16 again (Algorithm 3's beta * delta), so a product beyond FP16's range becomes infinity and one below its
+ * subnormals loses bits, as in FP16 training. y may be x. */
+TARGET void adaloss_round_scaled_f16(const float *x, float *y, int64_t n, float scale) {
+    const __m256 s8 = _mm256_set1_ps(scale);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m256 a = round8(_mm256_mul_ps(round8(_mm256_loadu_ps(x + i)), s8));
+        __m256 b = round8(_mm256_mul_ps(round8(_mm256_loadu_ps(x + i + 8)), s8));
+        _mm256_storeu_ps(y + i, a);
+        _mm256_storeu_ps(y + i + 8, b);
+    }
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, round8(_mm256_mul_ps(round8(_mm256_loadu_ps(x + i)), s8)));
+    for (; i < n; ++i) y[i] = round1(round1(x[i]) * scale);
 }
 
 /* Sum of squares (in double), min and max of 8 lanes, NaN-propagating. */
@@ -117,17 +133,30 @@ TARGET static inline void stats_impl(const float *x, float *y, int64_t n, float 
     }
 }
 
-/* Algorithm 4's last step (section 3.2.3), the same float32 operations as adaptive/ops.py's torch path:
- * beta = min_k factors[k] / stats[k], kept >= 1 unless allow_below_one, rounded down to a power of two
- * (exponent bits kept, mantissa cleared); NaN, zero, subnormal or infinite results give 1. */
-static float beta_from(const float *factors, const float *stats, int allow_below_one) {
-    float b = INFINITY;
+/* Algorithm 4's last step (section 3.2.3), the same float32 operations as ScaleRule.beta in
+ * adaptive/rules.py: with q = factors / stats, lower = q[0] * sqrt_ng and upper = min(q[1], q[2]),
+ *   paper (flags bit 1 clear):    beta = min(lower, upper), kept >= 1 unless flags bit 0 (allow_below_one);
+ *   reference (flags bit 1 set):  beta = min(max(lower, 1), upper);
+ * then beta = min(beta, cap) (the scale and accumulation bounds; +inf for none), rounded down to a power of
+ * two (exponent bits kept, mantissa cleared). NaN, zero, subnormal or infinite results give 1. */
+static float beta_from(const float *factors, const float *stats, float sqrt_ng, int flags, float cap) {
+    float q[3];
     for (int k = 0; k < 3; ++k) {
-        float q = factors[k] / stats[k];
-        if (q != q) return 1.0f;
-        if (q < b) b = q;
+        q[k] = factors[k] / stats[k];
+        if (q[k] != q[k]) return 1.0f;
     }
-    if (!allow_below_one && b < 1.0f) b = 1.0f;
+    float lower = q[0] * sqrt_ng;
+    if (lower != lower) return 1.0f;
+    float upper = q[1] < q[2] ? q[1] : q[2];
+    float b;
+    if (flags & 2) {
+        b = lower < 1.0f ? 1.0f : lower;
+        if (upper < b) b = upper;
+    } else {
+        b = lower < upper ? lower : upper;
+        if (!(flags & 1) && b < 1.0f) b = 1.0f;
+    }
+    if (cap < b) b = cap;
     union { float f; uint32_t u; } bits = {b};
     bits.u &= 0x7F800000u;
     b = bits.f;
@@ -135,8 +164,8 @@ static float beta_from(const float *factors, const float *stats, int allow_below
 }
 
 /* beta from precomputed statistics (see beta_from); also written to beta[0]. */
-float adaloss_beta(const float *factors, const float *stats, int allow_below_one, float *beta) {
-    beta[0] = beta_from(factors, stats, allow_below_one);
+float adaloss_beta(const float *factors, const float *stats, float sqrt_ng, int flags, float cap, float *beta) {
+    beta[0] = beta_from(factors, stats, sqrt_ng, flags, cap);
     return beta[0];
 }
 
@@ -175,18 +204,17 @@ TARGET float adaloss_max_abs(const float *x, int64_t n) {
     return has_nan ? NAN : out;
 }
 
-/* The weight part of Algorithm 4 for `count` layers at once (see weight_factors in adaptive/ops.py): for
- * layer i with weight ptrs[i][0:ns[i]], out[3i] = consts[i] / ||W||_2 and out[3i+1] = out[3i+2] =
- * u_max / max|W|, with the float32 operations of the torch path (the norm accumulated in double). */
-TARGET void adaloss_weight_factors(const float *const *ptrs, const int64_t *ns, const float *consts, int64_t count,
-                                   float u_max, float *out) {
+/* The weight part of Algorithm 4 for `count` layers at once (see weight_factors in adaptive/rules.py): for
+ * layer i with weight ptrs[i][0:ns[i]], out[3i] = a[i] / ||W||_2 and out[3i+1] = out[3i+2] = b[i] / max|W|,
+ * with the float32 divisions of the torch path (the norm accumulated in double). */
+TARGET void adaloss_weight_factors(const float *const *ptrs, const int64_t *ns, const float *a, const float *b,
+                                   int64_t count, float *out) {
     for (int64_t i = 0; i < count; ++i) {
         float st[3];
         stats_impl(ptrs[i], 0, ns[i], st, 0);
         float max_abs = st[1] > st[2] ? st[1] : st[2];
         if (st[1] != st[1]) max_abs = st[1]; /* NaN */
-        out[3 * i] = consts[i] / st[0];
-        /* torch evaluates `u_max / tensor` as reciprocal then multiply: two roundings, kept here */
-        out[3 * i + 1] = out[3 * i + 2] = (1.0f / max_abs) * u_max;
+        out[3 * i] = a[i] / st[0];
+        out[3 * i + 1] = out[3 * i + 2] = b[i] / max_abs;
     }
 }

@@ -2,10 +2,12 @@
 //
 // Two nodes, each doing in C++ what a chain of Python autograd functions does otherwise:
 //   * FusedGemm: a conv or linear layer whose weight, bias, output (and optionally input) are stored in
-//     FP16, and whose backward pass rounds the incoming gradient to FP16, computes the input gradient with
-//     the weight scaled by a constant beta, and the weight gradient rounded to FP16 and multiplied by a
-//     constant 1/alpha. beta = inv_alpha = 1 is the plain emulated layer (any loss scaler); other values
-//     are the adaptive scaler's layer on a step that reuses its scales.
+//     FP16, and whose backward pass rounds the incoming gradient to FP16, computes the input gradient from
+//     that gradient scaled by a constant beta and stored in FP16 again (Algorithm 3's Backprop(beta * delta)),
+//     and the weight gradient from the unscaled gradient, rounded to FP16 and multiplied by a constant
+//     1/alpha. beta = inv_alpha = 1 is the plain emulated layer (any loss scaler); other values are the
+//     adaptive scaler's layer on a step that reuses its scales; on a recompute step beta comes from
+//     Algorithm 4 on the gradient (the rule in adaloss/adaptive/rules.py, arithmetic in _fast.c).
 //   * FusedRescale: identity forward; backward brings the gradients of its outputs to one scale with
 //     constant factors and, for one tensor with several consumers, sums them (Algorithm 5 with the
 //     factors of the last recompute).
@@ -14,6 +16,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -25,11 +28,13 @@ using torch::autograd::variable_list;
 namespace {
 
 typedef void (*round_fn_t)(const float *, float *, int64_t, float, float);
+typedef void (*round_scaled_fn_t)(const float *, float *, int64_t, float);
 typedef void (*stats_fn_t)(const float *, float *, int64_t, int, float *);
-typedef void (*wf_fn_t)(const float *const *, const int64_t *, const float *, int64_t, float, float *);
-typedef float (*beta_fn_t)(const float *, const float *, int, float *);
+typedef void (*wf_fn_t)(const float *const *, const int64_t *, const float *, const float *, int64_t, float *);
+typedef float (*beta_fn_t)(const float *, const float *, float, int, float, float *);
 typedef float (*maxabs_fn_t)(const float *, int64_t);
 round_fn_t g_round = nullptr;
+round_scaled_fn_t g_round_scaled = nullptr;
 stats_fn_t g_stats = nullptr;
 wf_fn_t g_wf = nullptr;
 beta_fn_t g_beta = nullptr;
@@ -50,6 +55,22 @@ at::Tensor round16(const at::Tensor &x, double pre, double post, bool inplace) {
     at::Tensor v = pre == 1.0 ? x : x * pre;
     v = v.to(at::kHalf).to(x.scalar_type());
     if (post != 1.0) v.mul_(post);
+    if (inplace) {
+        x.copy_(v);
+        return x;
+    }
+    return v;
+}
+
+// fp16(fp16(x) * scale): a gradient rounded to FP16, scaled by beta and stored in FP16 again (an overflow
+// becomes infinity); written into x itself when `inplace`.
+at::Tensor round16_scaled(const at::Tensor &x, double scale, bool inplace) {
+    if (kernel_ok(x) && g_round_scaled != nullptr) {
+        at::Tensor out = inplace ? x : at::empty_like(x, at::MemoryFormat::Contiguous);
+        g_round_scaled(x.const_data_ptr<float>(), out.data_ptr<float>(), x.numel(), static_cast<float>(scale));
+        return out;
+    }
+    at::Tensor v = (x.to(at::kHalf).to(x.scalar_type()) * scale).to(at::kHalf).to(x.scalar_type());
     if (inplace) {
         x.copy_(v);
         return x;
@@ -120,10 +141,10 @@ struct FusedGemm : public Function<FusedGemm> {
         if (ctx->saved_data.count("record")) {
             // Algorithm 4 on this gradient: round it and take its statistics in one pass, the weight's
             // factors in another, beta from both; the scale this layer received and the one it emits go
-            // through the pass's record (see adaloss/adaptive/ops.py, AdaptiveState.arm_fused).
+            // through the pass's record (see adaloss/adaptive/ops.py, AdaptiveState.arm_record).
             at::Tensor record = ctx->saved_data["record"].toTensor();
-            auto where = ctx->saved_data["where"].toIntVector();  // in_slot, out_slot, beta_at, allow
-            auto consts = ctx->saved_data["consts"].toDoubleVector();  // u_min, u_max, sqrt(2) erfinv(t_uf)
+            auto where = ctx->saved_data["where"].toIntVector();  // in_slot, out_slot, beta_at, rule flags
+            auto consts = ctx->saved_data["consts"].toDoubleVector();  // A, B, scale bound, accumulation bound
             double *rec = record.data_ptr<double>();
             double alpha_j = rec[where[0]];
             TORCH_CHECK(alpha_j == alpha_j, "adaptive loss scaling: no scale reached a layer; call "
@@ -132,52 +153,79 @@ struct FusedGemm : public Function<FusedGemm> {
             at::Tensor v = sole_owner(g) ? g : at::empty_like(g);
             float stats[3], factors[3];
             g_stats(g.const_data_ptr<float>(), v.data_ptr<float>(), g.numel(), 1, stats);
-            g = v;
-            at::Tensor wc = wr.contiguous();
-            const float *wp = wc.const_data_ptr<float>();
-            int64_t nw = wc.numel();
-            float c = static_cast<float>(consts[0] * std::sqrt(static_cast<double>(nw) * static_cast<double>(g.numel())) /
-                                         consts[2]);
-            g_wf(&wp, &nw, &c, 1, static_cast<float>(consts[1]), factors);
-            float beta_f;
-            double beta = g_beta(factors, stats, static_cast<int>(where[3]), &beta_f);
-            rec[where[2]] = beta;
-            rec[where[1]] = alpha_j * beta;
-            return gemm_gradients(ctx, g, xr, wr, beta, alpha_j, 1.0, out);
+            g = std::move(v);  // the rounded gradient, ours to overwrite
+            return recompute_gradients(ctx, g, xr, wr, stats, factors, where, consts, rec, alpha_j, out);
         }
-        // Constant scales: beta goes into the gradient's rounding pass (post-multiplied: the rounding
-        // happens at the scale the gradient arrived with), so beta * W needs no pass of its own.
+        // Constant scales (a reuse pass): beta goes into the gradient's rounding pass, fp16(fp16(g) * beta),
+        // in place when nothing else holds the gradient; the weight gradient comes back by 1 / beta.
         auto scales = ctx->saved_data["scales"].toDoubleVector();
-        g = round16(g, 1.0, scales[0], sole_owner(g) && kernel_ok(g));
-        return gemm_gradients(ctx, g, xr, wr, scales[0], 1.0 / scales[1], scales[0], out);
+        const double beta = scales[0];
+        const bool own = sole_owner(g) && kernel_ok(g);
+        if (beta > 1.0 && ctx->needs_input_grad(0)) {
+            g = round16_scaled(g, beta, own);
+            return gemm_gradients(ctx, g, at::Tensor(), xr, wr, 1.0 / scales[1], beta, out);
+        }
+        g = round16(g, 1.0, 1.0, own);
+        return gemm_gradients(ctx, g, at::Tensor(), xr, wr, 1.0 / scales[1], 1.0, out, beta);
     }
 
-    // The input, weight and bias gradients from the rounded incoming gradient `g`, the layer's beta and
-    // the scale alpha_j it received (dividing by it: a multiplication when it is a power of two).
-    // `g_scale` is a power of two `g` was already multiplied by after rounding (beta, or 1): every
-    // product and sum in the convolution is then scaled by exactly that power of two, so the input
-    // gradient needs beta / g_scale on the weight, and the weight and bias gradients are brought back by
-    // 1 / g_scale before their FP16 rounding. The results are the same bits either way.
-    static variable_list gemm_gradients(AutogradContext *ctx, at::Tensor &g, const at::Tensor &xr,
-                                        const at::Tensor &wr, double beta, double alpha_j, double g_scale,
-                                        variable_list &out) {
+    // Algorithm 4 on host floats for the rounded gradient `g` (ours to overwrite) with its statistics,
+    // then the gradients of Algorithm 3 with that beta.
+    static variable_list recompute_gradients(AutogradContext *ctx, at::Tensor &g, const at::Tensor &xr,
+                                             const at::Tensor &wr, float *stats, float *factors,
+                                             const std::vector<int64_t> &where, const std::vector<double> &consts,
+                                             double *rec, double alpha_j, variable_list &out) {
+        at::Tensor wc = wr.contiguous();
+        const float *wp = wc.const_data_ptr<float>();
+        int64_t nw = wc.numel();
+        const float a = static_cast<float>(consts[0]), b = static_cast<float>(consts[1]);
+        g_wf(&wp, &nw, &a, &b, 1, factors);
+        const double cap = std::min(consts[2], consts[3] / alpha_j);
+        const float sqrt_ng = static_cast<float>(std::sqrt(static_cast<double>(g.numel())));
+        float beta_f;
+        const double beta = g_beta(factors, stats, sqrt_ng, static_cast<int>(where[3]), static_cast<float>(cap), &beta_f);
+        rec[where[2]] = beta;
+        rec[where[1]] = alpha_j * beta;
+        if (beta > 1.0 && ctx->needs_input_grad(0)) {
+            g = round16(g, beta, 1.0, kernel_ok(g));  // fp16(g * beta): g is already FP16-valued
+            return gemm_gradients(ctx, g, at::Tensor(), xr, wr, alpha_j, beta, out);
+        }
+        return gemm_gradients(ctx, g, at::Tensor(), xr, wr, alpha_j, 1.0, out, beta);
+    }
+
+    // The input, weight and bias gradients (Algorithm 3) from the rounded incoming gradient `g`, which
+    // already carries `g_scale` (beta when beta > 1, else 1): every product and sum of the convolution is
+    // then scaled by exactly that power of two, so the weight and bias gradients are brought back by
+    // 1 / g_scale in their FP16 rounding and divided by alpha_j (a multiplication for a power of two).
+    // `beta_rest` is a beta still to apply to the input gradient's source (beta < 1, where the product
+    // loses bits, so the weight gradient must come from the unscaled `g`: two tensors, two calls).
+    static variable_list gemm_gradients(AutogradContext *ctx, at::Tensor &g, at::Tensor scaled,
+                                        const at::Tensor &xr, const at::Tensor &wr, double alpha_j,
+                                        double g_scale, variable_list &out, double beta_rest = 1.0) {
         auto flags = ctx->saved_data["flags"].toIntVector();
         bool round_grad_x = flags[0] != 0, has_bias = flags[1] != 0;
         bool need_x = ctx->needs_input_grad(0);
         bool need_w = ctx->needs_input_grad(1);
         bool need_b = has_bias && ctx->needs_input_grad(2);
-        // The input gradient from beta * W: exact for a power of two, and weight-sized work only.
-        const double w_scale = beta / g_scale;
-        at::Tensor ws = (need_x && w_scale != 1.0) ? round16(wr, w_scale, 1.0, false) : wr;
+        if (need_x && beta_rest != 1.0) scaled = round16(g, beta_rest, 1.0, false);  // fp16(g * beta), new
+        const bool separate = scaled.defined();
         at::Tensor gx, gw, gb;
         auto spec = ctx->saved_data["spec"].toIntVector();
         if (spec[0] == 0) {
             const int64_t d = spec[2];
             auto part = [&](int64_t k) { return at::IntArrayRef(spec.data() + 3 + k * d, d); };
-            std::tie(gx, gw, gb) = at::convolution_backward(g, xr, ws, std::nullopt, part(0), part(1), part(2),
-                                                            false, part(3), spec[1], {need_x, need_w, need_b});
+            auto conv_bw = [&](const at::Tensor &grad, std::array<bool, 3> mask) {
+                return at::convolution_backward(grad, xr, wr, std::nullopt, part(0), part(1), part(2), false,
+                                                part(3), spec[1], mask);
+            };
+            if (separate) {
+                gx = std::get<0>(conv_bw(scaled, {true, false, false}));
+                if (need_w || need_b) std::tie(std::ignore, gw, gb) = conv_bw(g, {false, need_w, need_b});
+            } else {
+                std::tie(gx, gw, gb) = conv_bw(g, {need_x, need_w, need_b});
+            }
         } else {
-            if (need_x) gx = g.matmul(ws);
+            if (need_x) gx = (separate ? scaled : g).matmul(wr);
             if (need_w || need_b) {
                 at::Tensor d2 = g.reshape({-1, g.size(-1)});
                 if (need_w) gw = d2.t().matmul(xr.reshape({-1, xr.size(-1)}));
@@ -185,6 +233,7 @@ struct FusedGemm : public Function<FusedGemm> {
             }
         }
         g.reset();
+        scaled.reset();
         if (gx.defined() && round_grad_x) {
             gx = round16(gx, 1.0, 1.0, kernel_ok(gx) && !gx.is_view());
         }
@@ -241,7 +290,34 @@ std::vector<double> algorithm5(AutogradContext *ctx, const std::vector<at::Tenso
             found = true;
         }
     }
-    if (!found) common = *std::min_element(alphas.begin(), alphas.end());
+    if (!found) {
+        // paper: the smallest alpha (the step overflows and is skipped); reference (the authors' code): the
+        // smallest alpha halved until the rescaled gradients fit, as adaloss/adaptive/rules.py computes it
+        const double smallest = *std::min_element(alphas.begin(), alphas.end());
+        common = smallest;
+        if (ctx->saved_data["reference"].toBool()) {
+            double m = 0.0;
+            bool finite = true;
+            for (size_t k = 0; k < alphas.size(); ++k) {
+                double q = maxima[k] / alphas[k];
+                if (!(q == q) || std::isinf(q)) finite = false;
+                if (q > m) m = q;
+            }
+            if (finite) {
+                double r = u_max / m, t = 0.0;
+                if (r > 0 && std::isfinite(r)) {
+                    int e;
+                    std::frexp(r, &e);
+                    t = std::ldexp(0.5, e);
+                } else if (std::isinf(r)) {
+                    t = r;
+                }
+                if (t * m >= u_max) t *= 0.5;
+                t = std::min(t, smallest * 0.5);
+                if (t > 0) common = t;
+            }
+        }
+    }
     for (size_t k = 0; k < present.size(); ++k) factors[present[k]] = common / alphas[k];
     rec[where[0]] = common;
     rec[where[1]] = common;
@@ -256,13 +332,14 @@ std::vector<double> algorithm5(AutogradContext *ctx, const std::vector<at::Tenso
 struct FusedRescale : public Function<FusedRescale> {
     static variable_list forward(AutogradContext *ctx, at::TensorList xs, std::vector<double> factors,
                                  bool shared, const std::optional<at::Tensor> &record, std::vector<int64_t> where,
-                                 double u_max) {
+                                 double u_max, bool reference) {
         ctx->saved_data["factors"] = factors;
         ctx->saved_data["shared"] = shared;
         if (record.has_value() && record->defined()) {  // a recompute pass: Algorithm 5 on the gradients
             ctx->saved_data["record"] = *record;
             ctx->saved_data["where"] = where;
             ctx->saved_data["u_max"] = u_max;
+            ctx->saved_data["reference"] = reference;
         }
         variable_list outs;
         outs.reserve(xs.size());
@@ -274,7 +351,7 @@ struct FusedRescale : public Function<FusedRescale> {
         auto factors = ctx->saved_data["factors"].toDoubleVector();
         bool shared = ctx->saved_data["shared"].toBool();
         const size_t n = grads.size();
-        variable_list out(n + 5);  // one per tensor input, then factors, shared, record, where, u_max
+        variable_list out(n + 6);  // one per tensor input, then factors, shared, record, where, u_max, reference
         std::vector<at::Tensor> g(n);
         for (size_t i = 0; i < n; ++i) g[i] = std::move(grads[i]);
         if (ctx->saved_data.count("record")) factors = algorithm5(ctx, g);
@@ -354,7 +431,7 @@ at::Tensor gemm(const at::Tensor &x, const at::Tensor &w, const std::optional<at
     if (record.has_value()) {
         TORCH_CHECK(record->scalar_type() == at::kDouble && record->is_contiguous() && record->device().is_cpu(),
                     "gemm: the record must be a contiguous float64 CPU tensor");
-        TORCH_CHECK(where.size() == 4 && consts.size() == 3, "gemm: where needs 4 entries and consts 3");
+        TORCH_CHECK(where.size() == 4 && consts.size() == 4, "gemm: where needs 4 entries and consts 4");
         for (int64_t i = 0; i < 3; ++i) TORCH_CHECK(0 <= where[i] && where[i] < record->numel(), "gemm: bad index");
     }
     return FusedGemm::apply(x, w, b, spec, round_x, round_grad_x, beta, inv_alpha, record, where, consts);
@@ -362,7 +439,7 @@ at::Tensor gemm(const at::Tensor &x, const at::Tensor &w, const std::optional<at
 
 std::vector<at::Tensor> rescale(const std::vector<at::Tensor> &xs, std::vector<double> factors, bool shared,
                                 const std::optional<at::Tensor> &record, std::vector<int64_t> where,
-                                double u_max) {
+                                double u_max, bool reference) {
     TORCH_CHECK(factors.size() == xs.size(), "rescale: one factor per input");
     if (record.has_value()) {
         TORCH_CHECK(record->scalar_type() == at::kDouble && record->is_contiguous() && record->device().is_cpu(),
@@ -373,11 +450,13 @@ std::vector<at::Tensor> rescale(const std::vector<at::Tensor> &xs, std::vector<d
                     "rescale: bad index");
         for (size_t i = 0; i < where.size(); ++i) TORCH_CHECK(0 <= where[i] && where[i] < top, "rescale: bad index");
     }
-    return FusedRescale::apply(at::TensorList(xs), factors, shared, record, where, u_max);
+    return FusedRescale::apply(at::TensorList(xs), factors, shared, record, where, u_max, reference);
 }
 
-void set_kernels(uintptr_t round, uintptr_t stats, uintptr_t wf, uintptr_t beta, uintptr_t maxabs) {
+void set_kernels(uintptr_t round, uintptr_t round_scaled, uintptr_t stats, uintptr_t wf, uintptr_t beta,
+                 uintptr_t maxabs) {
     g_round = reinterpret_cast<round_fn_t>(round);
+    g_round_scaled = reinterpret_cast<round_scaled_fn_t>(round_scaled);
     g_stats = reinterpret_cast<stats_fn_t>(stats);
     g_wf = reinterpret_cast<wf_fn_t>(wf);
     g_beta = reinterpret_cast<beta_fn_t>(beta);
@@ -387,7 +466,7 @@ void set_kernels(uintptr_t round, uintptr_t stats, uintptr_t wf, uintptr_t beta,
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    m.attr("ABI") = 2;
+    m.attr("ABI") = 3;
     pybind11::class_<GemmSpec, std::shared_ptr<GemmSpec>>(m, "GemmSpec")
         .def(pybind11::init([](int64_t kind, std::vector<int64_t> stride, std::vector<int64_t> padding,
                                std::vector<int64_t> dilation, std::vector<int64_t> output_padding,
@@ -403,7 +482,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              }),
              pybind11::arg("kind"), pybind11::arg("stride"), pybind11::arg("padding"), pybind11::arg("dilation"),
              pybind11::arg("output_padding"), pybind11::arg("groups"));
-    m.def("gemm", &gemm, "conv/linear with FP16 storage; backward scales W by beta and grad W by 1/alpha",
+    m.def("gemm", &gemm, "conv/linear with FP16 storage; backward scales delta by beta and grad W by 1/alpha",
           pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("b"), pybind11::arg("spec"), pybind11::arg("round_x"),
           pybind11::arg("round_grad_x"), pybind11::arg("beta") = 1.0, pybind11::arg("inv_alpha") = 1.0,
           pybind11::arg("record") = pybind11::none(), pybind11::arg("where") = std::vector<int64_t>{},
@@ -411,6 +490,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("rescale", &rescale, "identity; backward rescales (and, if shared, sums) the gradients",
           pybind11::arg("xs"), pybind11::arg("factors"), pybind11::arg("shared"),
           pybind11::arg("record") = pybind11::none(), pybind11::arg("where") = std::vector<int64_t>{},
-          pybind11::arg("u_max") = 0.0);
-    m.def("set_kernels", &set_kernels, "addresses of the _fast.c kernels: round, stats, weight factors, beta, max");
+          pybind11::arg("u_max") = 0.0, pybind11::arg("reference") = false);
+    m.def("set_kernels", &set_kernels,
+          "addresses of the _fast.c kernels: round, round scaled, stats, weight factors, beta, max");
 }

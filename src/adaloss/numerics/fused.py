@@ -6,7 +6,7 @@ the incoming gradient. Each costs a Python call in the forward pass and another 
 few microseconds each, about 1 ms per ResNet-20 step), and the adaptive scaler's branch points add one
 more per residual block. :func:`gemm` does the same work as one C++ node: FP16 weight, bias and output in
 the forward pass; in the backward pass the incoming gradient rounded to FP16 (in place when nothing else
-holds it), the input gradient computed with the weight scaled by ``beta``, and the weight and bias
+holds it), the input gradient computed from that gradient scaled by ``beta``, and the weight and bias
 gradients rounded to FP16 and multiplied by ``inv_alpha``. With ``beta = inv_alpha = 1`` that is the
 plain emulated layer every scaler uses (:class:`adaloss.numerics.emulation.EmulatedAutocast` routes
 ``conv2d`` here); with a layer's beta and ``1/alpha`` it is the adaptive scaler's layer on a step that
@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("_fused.cpp")
 _MODULE = "_adaloss_fused"
-_ABI = 2
+_ABI = 3
 _lock = threading.Lock()
 _ext: ModuleType | None = None
 _tried = False
@@ -153,7 +153,7 @@ def _load() -> ModuleType | None:
             _status = f"stale extension {target}"
             return None
         lib = native._lib
-        names = ("round_f16", "grad_stats", "weight_factors", "beta", "max_abs")
+        names = ("round_f16", "round_scaled_f16", "grad_stats", "weight_factors", "beta", "max_abs")
         ext.set_kernels(*(ctypes.cast(getattr(lib, f"adaloss_{n}"), ctypes.c_void_p).value for n in names))
         _ext = ext
         _status = f"loaded {target}"
@@ -222,7 +222,7 @@ def gemm(
     inv_alpha: float = 1.0,
     record: torch.Tensor | None = None,
     where: tuple[int, int, int, int] = (),  # type: ignore[assignment]
-    consts: tuple[float, float, float] = (),  # type: ignore[assignment]
+    consts: tuple[float, float, float, float] = (),  # type: ignore[assignment]
 ) -> torch.Tensor:
     """One conv/linear layer in emulated FP16 as a single autograd node (module docstring).
 
@@ -231,9 +231,10 @@ def gemm(
     do). ``beta`` and ``inv_alpha``: the constant scales of a reuse pass. With ``record`` (a float64 CPU
     tensor shared by the pass's nodes) the layer instead computes its beta in the backward pass, as
     Algorithm 4 on host floats: it reads the scale it receives at ``record[where[0]]``, writes the one it
-    emits at ``record[where[1]]`` and its beta at ``record[where[2]]``; ``where[3]`` is ``allow_below_one``
-    and ``consts`` are ``(u_min, u_max, sqrt(2) * erfinv(t_uf))``. The caller checks :func:`enabled` and
-    that the tensors are float32 CPU tensors.
+    emits at ``record[where[1]]`` and its beta at ``record[where[2]]``; ``where[3]`` is the rule's
+    :attr:`~adaloss.adaptive.rules.ScaleRule.flags` and ``consts`` are the layer's ``(A, B)``
+    (:meth:`~adaloss.adaptive.rules.ScaleRule.layer_constants`) and the scale and accumulation bounds
+    (inf: none). The caller checks :func:`enabled` and that the tensors are float32 CPU tensors.
     """
     return _ext.gemm(  # type: ignore[union-attr]
         x, weight, bias, spec, round_x, round_grad_x, beta, inv_alpha, record, list(where), list(consts)
@@ -247,6 +248,7 @@ def rescale(
     record: torch.Tensor | None = None,
     where: list[int] | None = None,
     u_max: float = 0.0,
+    reference: bool = False,
 ) -> list[torch.Tensor]:
     """Identity on ``xs``; the backward pass multiplies each output's gradient by its factor and, if
     ``shared`` (the same tensor once per consumer), returns their sum as the input's gradient.
@@ -254,8 +256,9 @@ def rescale(
     With ``record`` the factors come from Algorithm 5 in the backward pass instead: the incoming scales
     are read at ``record[where[4 + i]]``, the common one is written at ``record[where[0]]`` and
     ``record[where[1]]``, the factors from ``record[where[2]]`` on and the incoming scales (NaN for a
-    consumer that sent no gradient) from ``record[where[3]]`` on."""
-    return _ext.rescale(xs, factors, shared, record, where or [], u_max)  # type: ignore[union-attr]
+    consumer that sent no gradient) from ``record[where[3]]`` on; ``reference`` picks the rule's fallback
+    when no incoming scale fits (:func:`adaloss.adaptive.rules.branch_loss_scale`)."""
+    return _ext.rescale(xs, factors, shared, record, where or [], u_max, reference)  # type: ignore[union-attr]
 
 
 if __name__ == "__main__":  # python -m adaloss.numerics.fused: build now and report

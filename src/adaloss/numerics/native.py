@@ -46,6 +46,7 @@ __all__ = [
     "grad_stats",
     "max_abs_host",
     "round_f16",
+    "round_scaled_f16",
     "status",
     "weight_factors",
 ]
@@ -54,7 +55,7 @@ log = logging.getLogger(__name__)
 
 # Below this many elements the ctypes call saves nothing over torch's casts; keep those.
 MIN_NUMEL = 64
-_ABI = 8
+_ABI = 9
 _SOURCE = Path(__file__).with_name("_fast.c")
 
 _lock = threading.Lock()
@@ -148,12 +149,14 @@ def _load() -> ctypes.CDLL | None:
         vp, i64 = ctypes.c_void_p, ctypes.c_int64
         lib.adaloss_round_f16.argtypes = [vp, vp, i64, ctypes.c_float, ctypes.c_float]
         lib.adaloss_round_f16.restype = None
+        lib.adaloss_round_scaled_f16.argtypes = [vp, vp, i64, ctypes.c_float]
+        lib.adaloss_round_scaled_f16.restype = None
         ci = ctypes.c_int
         lib.adaloss_grad_stats.argtypes = [vp, vp, i64, ci, vp]
         lib.adaloss_grad_stats.restype = None
-        lib.adaloss_weight_factors.argtypes = [vp, vp, vp, i64, ctypes.c_float, vp]
+        lib.adaloss_weight_factors.argtypes = [vp, vp, vp, vp, i64, vp]
         lib.adaloss_weight_factors.restype = None
-        lib.adaloss_beta.argtypes = [vp, vp, ci, vp]
+        lib.adaloss_beta.argtypes = [vp, vp, ctypes.c_float, ci, ctypes.c_float, vp]
         lib.adaloss_beta.restype = ctypes.c_float
         lib.adaloss_max_abs.argtypes = [vp, i64]
         lib.adaloss_max_abs.restype = ctypes.c_float
@@ -220,6 +223,21 @@ def round_f16(
     return out
 
 
+def round_scaled_f16(x: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``fp16(fp16(x) * scale)`` stored as float32, in one pass; ``out`` may be ``x`` (in place).
+
+    Algorithm 3's ``beta * delta`` for a gradient ``x`` that has not been rounded to FP16 yet: the product is
+    stored in FP16 as FP16 training would store it (beyond 65504 it is infinite). None when the kernel does
+    not apply; the caller then uses torch (``round(round(x) * scale)``).
+    """
+    if not _eligible(x):
+        return None
+    if out is None:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    _lib.adaloss_round_scaled_f16(x.data_ptr(), out.data_ptr(), x.numel(), scale)  # type: ignore[union-attr]
+    return out
+
+
 def grad_stats(
     x: torch.Tensor, round_fp16: bool, always: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -249,15 +267,18 @@ def _host_tensor(x: torch.Tensor, what: str) -> torch.Tensor:
 
 
 def beta_host(
-    factors: torch.Tensor, stats: torch.Tensor, allow_below_one: bool
+    factors: torch.Tensor, stats: torch.Tensor, sqrt_n_g: float, flags: int, cap: float
 ) -> tuple[torch.Tensor, float]:
     """A layer's beta from its weight factors and gradient statistics (both float32 CPU 3-vectors), by the
-    float32 steps of :func:`adaloss.adaptive.ops.gemm_loss_scale`: ``(beta as a 0-dim tensor, as a float)``.
+    float32 steps of :meth:`adaloss.adaptive.rules.ScaleRule.beta`: ``(beta as a 0-dim tensor, as a float)``.
+    ``flags`` and ``cap`` are :attr:`ScaleRule.flags` and :meth:`ScaleRule.cap` of the layer's alpha.
     """
     factors = _host_tensor(factors, "beta_host")
     stats = _host_tensor(stats, "beta_host")
     beta = torch.empty((), dtype=torch.float32)
-    value = _lib.adaloss_beta(factors.data_ptr(), stats.data_ptr(), int(allow_below_one), beta.data_ptr())  # type: ignore[union-attr]
+    value = _lib.adaloss_beta(  # type: ignore[union-attr]
+        factors.data_ptr(), stats.data_ptr(), sqrt_n_g, int(flags), cap, beta.data_ptr()
+    )
     return beta, float(value)
 
 
@@ -268,11 +289,11 @@ def max_abs_host(x: torch.Tensor) -> float:
     return float(_lib.adaloss_max_abs(x.data_ptr(), x.numel()))  # type: ignore[union-attr]
 
 
-def weight_factors(weights: list[torch.Tensor], consts: list[float], u_max: float) -> torch.Tensor | None:
+def weight_factors(weights: list[torch.Tensor], constants: list[tuple[float, float]]) -> torch.Tensor | None:
     """Algorithm 4's weight factors of several layers in one call: a float32 ``[len(weights), 3]`` tensor
-    whose row i is ``[consts[i] / ||W_i||, u_max / max|W_i|, u_max / max|W_i|]`` (see
-    :func:`adaloss.adaptive.ops.weight_factors`), one pass over each weight. None unless every weight is
-    a contiguous float32 CPU tensor (and the kernels are enabled)."""
+    whose row i is ``[A_i / ||W_i||, B_i / max|W_i|, B_i / max|W_i|]`` with ``(A_i, B_i) = constants[i]``
+    (see :func:`adaloss.adaptive.rules.weight_factors`), one pass over each weight. None unless every weight
+    is a contiguous float32 CPU tensor (and the kernels are enabled)."""
     if not (_enabled and available()) or not weights:
         return None
     for w in weights:
@@ -281,7 +302,8 @@ def weight_factors(weights: list[torch.Tensor], consts: list[float], u_max: floa
     n = len(weights)
     ptrs = (ctypes.c_void_p * n)(*(w.data_ptr() for w in weights))
     ns = (ctypes.c_int64 * n)(*(w.numel() for w in weights))
-    cs = (ctypes.c_float * n)(*consts)
+    a = (ctypes.c_float * n)(*(c[0] for c in constants))
+    b = (ctypes.c_float * n)(*(c[1] for c in constants))
     out = torch.empty(n, 3, dtype=torch.float32)
-    _lib.adaloss_weight_factors(ptrs, ns, cs, n, u_max, out.data_ptr())  # type: ignore[union-attr]
+    _lib.adaloss_weight_factors(ptrs, ns, a, b, n, out.data_ptr())  # type: ignore[union-attr]
     return out

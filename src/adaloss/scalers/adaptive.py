@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from adaloss.adaptive.ops import AdaptiveState, GradSignature
+from adaloss.adaptive.rules import REFERENCE_FP16_U_MIN, RULES, ScaleRule
 from adaloss.adaptive.transform import attach_adaptive
 from adaloss.errors import ConfigError
 from adaloss.numerics import fused, native
@@ -25,16 +26,19 @@ class AdaptiveLossScaler(LossScaler):
 
     * ``attach(model)`` rewrites the model (torch.fx) so its backward pass carries the pair
       ``<alpha, delta>``: at every conv/linear layer a local scale ``beta`` is computed from the layer's
-      weight and incoming gradient (Algorithm 4), the gradient sent to the previous layer is scaled by it and
-      carries ``alpha * beta``, and gradients meeting at a branch are rescaled to one common alpha before they
-      are summed (Algorithm 5). Element-wise ops pass alpha through.
+      weight and incoming gradient (Algorithm 4), the incoming gradient is scaled by it before the input
+      gradient is computed (Algorithm 3), which then carries ``alpha * beta``, and gradients meeting at a
+      branch are rescaled to one common alpha before they are summed (Algorithm 5). Element-wise ops pass
+      alpha through. ``rule`` chooses how beta is computed: ``"reference"`` (default), what the authors'
+      released code computes, which produced the paper's tables, or ``"paper"``, the text as written
+      (:mod:`adaloss.adaptive.rules` lists the differences).
     * Every weight gradient is divided by its own layer's alpha, so the optimizer sees true gradients; a step
       with an Inf/NaN gradient is skipped, counted, and the scales are recomputed on the next step.
     * The same training loop as ``torch.amp.GradScaler``; no hyperparameter to tune per model.
 
     Example::
 
-        scaler = AdaptiveLossScaler(t_uf=1e-3, update_every=100)
+        scaler = AdaptiveLossScaler(t_uf=1e-3, update_every=100, rule="reference")
         model = scaler.attach(model)          # same parameter objects, new backward pass
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         for x, y in loader:
@@ -99,11 +103,21 @@ class AdaptiveLossScaler(LossScaler):
         init_scale (float, optional, default=1.0): the initial scale ``alpha_{N+1}`` applied to the loss.
         fmt (FloatFormat or str, optional, default="fp16"): the gradients' storage format; gives ``u_min``
             (smallest subnormal, 2**-24 for FP16) and ``u_max`` (largest finite, 65504) unless given.
-        u_min (float, optional): override of the underflow threshold ``u`` in Algorithm 4.
+        rule (str, optional, default="reference"): how a layer's beta is computed
+            (:mod:`adaloss.adaptive.rules`): ``"reference"``, what the authors' released code computes (it
+            produced the paper's tables), or ``"paper"``, Algorithm 4 as the text writes it.
+        scale_upper_bound (float or None, optional, default="auto"): cap on each beta; None for no cap.
+            ``"auto"``: 16 under ``reference`` (the authors' default), none under ``paper``.
+        accum_upper_bound (float or None, optional, default="auto"): cap on the accumulated scale: a
+            layer receiving ``alpha`` gets ``beta <= accum_upper_bound / alpha``; None for no cap.
+            ``"auto"``: 1024 under ``reference``, none under ``paper``.
+        u_min (float, optional): override of the underflow threshold ``u`` in Algorithm 4 (default: the
+            format's smallest subnormal; under ``reference`` with FP16, the authors' 6.0e-8).
         u_max (float, optional): override of the overflow bound of section 3.2.3 and Algorithm 5.
-        allow_below_one (bool, optional, default=False): let ``beta`` fall below 1 when the gradient is
-            already large. The paper's scales only grow going backwards; keeping ``beta >= 1`` means a layer
-            never has less scale than the layers after it.
+        allow_below_one (bool, optional, default=False): under ``paper``, let ``beta`` fall below 1 when the
+            gradient is already large (the text keeps ``beta >= 1``: a layer never has less scale than the
+            layers after it). The ``reference`` rule lets beta fall below 1 through its bounds alone, so
+            this must stay False there.
         growth_interval (int, optional, default=2000): clean steps before a lowered ``alpha_{N+1}`` doubles.
         enabled (bool, optional, default=True): ``False`` makes every method a passthrough.
     """
@@ -121,6 +135,9 @@ class AdaptiveLossScaler(LossScaler):
         allow_below_one: bool = False,
         growth_interval: int = 2000,
         enabled: bool = True,
+        rule: str = "reference",
+        scale_upper_bound: float | str | None = "auto",
+        accum_upper_bound: float | str | None = "auto",
     ) -> None:
         t_uf = _number(t_uf, "scaler.t_uf")
         if not 0.0 < t_uf < 1.0:
@@ -132,14 +149,37 @@ class AdaptiveLossScaler(LossScaler):
             raise ConfigError(f"scaler.init_scale must be a positive number (e.g. 1), got {init_scale}")
         fmt = get_format(fmt if fmt is not None else "fp16")
         self.fmt = fmt
-        self.u_min = _number(u_min, "scaler.u_min") if u_min is not None else fmt.u_min
+        if not isinstance(rule, str) or rule.strip().lower() not in RULES:
+            raise ConfigError(
+                f"scaler.rule must be one of {', '.join(RULES)}, got {rule!r}; e.g. scaler.rule=reference"
+            )
+        rule = rule.strip().lower()
+        if not isinstance(allow_below_one, bool):
+            raise ConfigError(f"scaler.allow_below_one must be true or false, got {allow_below_one!r}")
+        if allow_below_one and rule == "reference":
+            raise ConfigError(
+                "scaler.allow_below_one=true applies to scaler.rule=paper only (under the reference rule "
+                "beta falls below 1 through its overflow and accumulation bounds): drop it or set "
+                "scaler.rule=paper"
+            )
+        default_u_min = REFERENCE_FP16_U_MIN if rule == "reference" and fmt.name == "fp16" else fmt.u_min
+        self.u_min = _number(u_min, "scaler.u_min") if u_min is not None else default_u_min
         self.u_max = _number(u_max, "scaler.u_max") if u_max is not None else fmt.u_max
         if not 0 < self.u_min < self.u_max:
             raise ConfigError(f"need 0 < scaler.u_min < scaler.u_max, got {self.u_min} and {self.u_max}")
         super().__init__(init_scale=2.0 ** math.floor(math.log2(init_scale)), enabled=enabled)
         self.t_uf = t_uf
         self.update_every = update_every
-        self.allow_below_one = bool(allow_below_one)
+        self.allow_below_one = allow_below_one
+        self.rule = ScaleRule(
+            rule,
+            self.u_min,
+            self.u_max,
+            t_uf,
+            allow_below_one,
+            _bound(scale_upper_bound, "scaler.scale_upper_bound", 16.0 if rule == "reference" else None),
+            _bound(accum_upper_bound, "scaler.accum_upper_bound", 1024.0 if rule == "reference" else None),
+        )
         self.growth_interval = growth_interval
         self._init_scale = self._loss_scale
         self.state: AdaptiveState | None = None
@@ -168,6 +208,9 @@ class AdaptiveLossScaler(LossScaler):
             "growth_interval",
             "u_min",
             "u_max",
+            "rule",
+            "scale_upper_bound",
+            "accum_upper_bound",
         }
         unknown = sorted(set(cfg.keys()) - known)
         if unknown:
@@ -184,6 +227,9 @@ class AdaptiveLossScaler(LossScaler):
             u_max=cfg.get("u_max"),
             allow_below_one=cfg.get("allow_below_one", False),
             growth_interval=cfg.get("growth_interval", 2000),
+            rule=cfg.get("rule", "reference"),
+            scale_upper_bound=cfg.get("scale_upper_bound", "auto"),
+            accum_upper_bound=cfg.get("accum_upper_bound", "auto"),
         )
 
     # ------------------------------------------------------------------ model
@@ -198,7 +244,7 @@ class AdaptiveLossScaler(LossScaler):
             return model
         if self.state is not None:
             raise RuntimeError("attach() was already called on this scaler; use one scaler per model")
-        state = AdaptiveState(self.u_min, self.u_max, self.t_uf, self.allow_below_one)
+        state = AdaptiveState(self.rule)
         if distributed_world_size() > 1:
             # A group of its own: these collectives are issued from inside the backward pass, interleaved
             # with DDP's bucket all-reduces; on a separate communicator their relative order cannot matter.
@@ -247,6 +293,10 @@ class AdaptiveLossScaler(LossScaler):
             recompute = self._recomputing
         else:
             recompute = False
+        if recompute:
+            # Algorithm 4's per-layer constants on the weights' device: any host-to-device copy happens
+            # here, before the backward pass (once per device and dtype).
+            self.state.prepare_constants(self._gemm_weights)
         self.state.start_backward(
             self._scale_tensor(device),
             recompute,
@@ -577,6 +627,18 @@ def _number(value: Any, field: str) -> float:
         return float(value)
     except (TypeError, ValueError):
         raise ConfigError(f"{field} must be a number, got '{value}'") from None
+
+
+def _bound(value: Any, field: str, auto: float | None) -> float | None:
+    """A positive bound, None (no bound), or ``auto`` (the rule's default)."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return auto
+    if value is None:
+        return None
+    number = _number(value, field)
+    if not (math.isfinite(number) and number > 0):
+        raise ConfigError(f"{field} must be a positive number, null (no bound) or auto, got {value!r}")
+    return number
 
 
 def _integer(value: Any, field: str) -> int:
