@@ -1,13 +1,15 @@
-"""Per-layer activation-gradient underflow with no scaling, fixed scale 128 and adaptive scaling.
+"""Per-layer activation-gradient underflow with no scaling, fixed scale 128 and adaptive scaling (both rules).
 
 The README's numerical-effect table. The claim checked: in emulated FP16, on ResNet-110 and on a VGG-style
-network without batch normalization, the per-layer underflow rates with adaptive scaling are at or below
-those of fixed scale 128 on most layers and far below those of no scaling.
+network without batch normalization, the per-layer underflow rates with adaptive scaling are far below those
+of no scaling, and how they compare with fixed scale 128 under each scale rule (``reference``, the authors'
+code, and ``paper``, the text; see ``src/adaloss/adaptive/rules.py``).
 
 For each model, with a fixed seed and one fixed batch of the bundled ``digits`` data, one telemetry step
 (forward, loss, scaled backward; no optimizer step) is measured under each scaler (``none``, ``fixed`` 128,
-``adaptive`` with ``update_every=1``, so its betas come from this very batch) from the same weights, in three
-gradient regimes:
+``adaptive`` under the reference rule and ``adaptive_paper`` under the paper's, both with ``update_every=1``,
+so their betas come from this very batch, and the reference rule with the authors' CIFAR bounds, 128 and
+4096) from the same weights, in three gradient regimes:
 
 * ``init_fp16``: the freshly initialized model, FP16. The loss is large, so are the gradients; the paper's
   Figure 4a shows adaptive scales far below 128 on ResNets here, so fixed 128 is expected to win.
@@ -54,8 +56,18 @@ DEFAULT_MODELS = ("resnet110", "vgg_nobn")
 SCALERS: dict[str, dict[str, Any]] = {
     "none": {"name": "none"},
     "fixed128": {"name": "fixed", "scale": 128},
-    "adaptive": {"name": "adaptive", "update_every": 1},
+    # the reference rule with the authors' CIFAR settings (their cifar/utils.py:47-48), and the paper's rule
+    "adaptive": {
+        "name": "adaptive",
+        "update_every": 1,
+        "rule": "reference",
+        "scale_upper_bound": 128,
+        "accum_upper_bound": 4096,
+    },
+    "adaptive_paper": {"name": "adaptive", "update_every": 1, "rule": "paper"},
 }
+#: The adaptive variants, with the label the table gives each.
+ADAPTIVE = {"adaptive": "adaptive (reference)", "adaptive_paper": "adaptive (paper)"}
 REGIMES: dict[str, tuple[str, str]] = {  # regime -> (weights, precision)
     "init_fp16": ("init", "fp16"),
     "trained_fp16": ("trained", "fp16"),
@@ -162,40 +174,44 @@ def measure(
 
 
 def compare(per_scaler: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Layer-by-layer comparison of the three scalers' rates (layers in network order)."""
+    """Layer-by-layer comparison of the scalers' rates (layers in network order); per adaptive variant
+    ``<name>_le_fixed``, ``<name>_lt_none`` and its alphas' min / median / max and count of ones."""
     layers = list(per_scaler["none"]["rates"])
-    for name in ("fixed128", "adaptive"):
+    for name in per_scaler:
         missing = set(layers) ^ set(per_scaler[name]["rates"])
         if missing:
             raise RuntimeError(f"scaler {name} reports different layers than none: {sorted(missing)}")
     from adaloss.telemetry import UnderflowMonitor
 
-    none, fixed, ada = (per_scaler[s]["rates"] for s in ("none", "fixed128", "adaptive"))
-    alphas = list(per_scaler["adaptive"]["alphas"].values())
-    return {
+    none, fixed = per_scaler["none"]["rates"], per_scaler["fixed128"]["rates"]
+    out: dict[str, Any] = {
         "layers": len(layers),
         "mean": {s: UnderflowMonitor.mean_rate(per_scaler[s]["rates"]) for s in per_scaler},
-        "adaptive_le_fixed": sum(ada[n] <= fixed[n] for n in layers),
-        "adaptive_lt_none": sum(ada[n] < none[n] for n in layers),
         "none_positive": sum(none[n] > 0 for n in layers),
-        "adaptive_alpha_median": C.median(alphas) if alphas else float("nan"),
-        "adaptive_alpha_min": min(alphas) if alphas else float("nan"),
-        "adaptive_alpha_max": max(alphas) if alphas else float("nan"),
-        "adaptive_alpha_one": sum(a == 1.0 for a in alphas),
     }
+    for name in ADAPTIVE:
+        ada = per_scaler[name]["rates"]
+        alphas = list(per_scaler[name]["alphas"].values())
+        out[f"{name}_le_fixed"] = sum(ada[n] <= fixed[n] for n in layers)
+        out[f"{name}_lt_none"] = sum(ada[n] < none[n] for n in layers)
+        out[f"{name}_alpha_median"] = C.median(alphas) if alphas else float("nan")
+        out[f"{name}_alpha_min"] = min(alphas) if alphas else float("nan")
+        out[f"{name}_alpha_max"] = max(alphas) if alphas else float("nan")
+        out[f"{name}_alpha_one"] = sum(a == 1.0 for a in alphas)
+    return out
 
 
 def write_csv(path: Path, per_scaler: dict[str, dict[str, Any]]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    alphas = per_scaler["adaptive"]["alphas"]
+    names = list(SCALERS)
     with open(path, "w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
-        w.writerow(["layer", "none", "fixed128", "adaptive", "adaptive_alpha"])
+        w.writerow(["layer", *names, *(f"{a}_alpha" for a in ADAPTIVE)])
         for layer in per_scaler["none"]["rates"]:
             w.writerow(
                 [layer]
-                + [repr(per_scaler[s]["rates"][layer]) for s in ("none", "fixed128", "adaptive")]
-                + [repr(alphas.get(layer, float("nan")))]
+                + [repr(per_scaler[s]["rates"][layer]) for s in names]
+                + [repr(per_scaler[a]["alphas"].get(layer, float("nan"))) for a in ADAPTIVE]
             )
 
 
@@ -216,7 +232,8 @@ def render(info: dict[str, Any], settings: dict[str, Any], results: dict[str, An
         "",
         "Mean over layers of each layer's underflow rate (share of non-zero gradient elements flushed to "
         "zero when stored); the counts compare the scalers layer by layer. Adaptive: update_every=1, "
-        "T_uf=1e-3. "
+        "T_uf=1e-3, under the reference rule (the authors' code, their CIFAR bounds 128 / 4096) and the "
+        "paper's (the text), each cell reference / paper. "
         "Train loss: FP32 loss of the measured weights on the measured batch. Alpha is the scale a layer's "
         "output gradient carries; it starts at alpha_{N+1} = 1 at the loss (the paper: 'normally we keep it "
         "as 1'), so a layer with alpha 1 is stored exactly as without scaling. A layer's rate counts only "
@@ -229,6 +246,7 @@ def render(info: dict[str, Any], settings: dict[str, Any], results: dict[str, An
         for regime, r in res["regimes"].items():
             c = r["compare"]
             n = c["layers"]
+            both = list(ADAPTIVE)
             rows.append(
                 [
                     C.PRETTY.get(model, model),
@@ -237,12 +255,13 @@ def render(info: dict[str, Any], settings: dict[str, Any], results: dict[str, An
                     n,
                     _pct(c["mean"]["none"]),
                     _pct(c["mean"]["fixed128"]),
-                    _pct(c["mean"]["adaptive"]),
-                    f"{c['adaptive_le_fixed']}/{n}",
-                    f"{c['adaptive_lt_none']}/{n}",
+                    " / ".join(_pct(c["mean"][a]) for a in both),
+                    " / ".join(f"{c[f'{a}_le_fixed']}" for a in both) + f" of {n}",
+                    " / ".join(f"{c[f'{a}_lt_none']}" for a in both) + f" of {n}",
                     f"{c['none_positive']}/{n}",
-                    " / ".join(f"{c[f'adaptive_alpha_{k}']:g}" for k in ("min", "median", "max")),
-                    f"{c['adaptive_alpha_one']}/{n}",
+                    " ; ".join(
+                        " / ".join(f"{c[f'{a}_alpha_{k}']:g}" for k in ("min", "median", "max")) for a in both
+                    ),
                 ]
             )
     lines.append(
@@ -254,12 +273,11 @@ def render(info: dict[str, Any], settings: dict[str, Any], results: dict[str, An
                 "Layers",
                 "Mean UF none",
                 "Mean UF fixed 128",
-                "Mean UF adaptive",
+                "Mean UF adaptive (ref / paper)",
                 "Layers adaptive <= fixed",
                 "Layers adaptive < none",
                 "Layers none > 0",
-                "Adaptive alpha min / median / max",
-                "Layers alpha = 1",
+                "Adaptive alpha min / median / max (ref ; paper)",
             ],
             rows,
             left=2,
@@ -393,7 +411,8 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             }
             log(
                 f"[underflow] {name} {regime}: mean rates none {cmp['mean']['none']:.3g}, fixed128 "
-                f"{cmp['mean']['fixed128']:.3g}, adaptive {cmp['mean']['adaptive']:.3g}"
+                f"{cmp['mean']['fixed128']:.3g}, adaptive {cmp['mean']['adaptive']:.3g} (reference), "
+                f"{cmp['mean']['adaptive_paper']:.3g} (paper)"
             )
         results[name] = res
     settings = {

@@ -243,19 +243,20 @@ def test_underflow_quick_writes_rates(underflow, tmp_path: Path, capsys, one_thr
     assert set(res["regimes"]) == {"init_fp16", "trained_fp16", "trained_fp8"}
     for regime, r in res["regimes"].items():
         layers = None
-        for scaler in ("none", "fixed128", "adaptive"):
+        for scaler in ("none", "fixed128", "adaptive", "adaptive_paper"):
             rates = r["scalers"][scaler]["rates"]
             assert rates, (regime, scaler)
             assert all(0.0 <= v <= 1.0 for v in rates.values()), (regime, scaler, rates)
             layers = layers or list(rates)
             assert list(rates) == layers  # same layers, same order, for every scaler
         assert r["compare"]["layers"] == len(layers) == 6  # 5 convs + fc
-        assert all(a >= 1 for a in r["scalers"]["adaptive"]["alphas"].values())
+        assert all(a >= 1 for a in r["scalers"]["adaptive_paper"]["alphas"].values())  # the paper: beta >= 1
+        assert all(a <= 4096 for a in r["scalers"]["adaptive"]["alphas"].values())  # the accumulation bound
         with open(r["csv"], newline="") as f:
             rows = list(csv.DictReader(f))
         assert [row["layer"] for row in rows] == layers
         for row in rows:
-            for scaler in ("none", "fixed128", "adaptive"):
+            for scaler in ("none", "fixed128", "adaptive", "adaptive_paper"):
                 assert 0.0 <= float(row[scaler]) <= 1.0
     assert res["regimes"]["trained_fp8"]["precision"] == "fp8_e5m2"
     printed = capsys.readouterr().out
