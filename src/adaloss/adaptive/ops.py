@@ -149,6 +149,10 @@ class GradSignature:
         sig = (tuple(p.requires_grad for p in self.params), tuple(t.requires_grad for t in inputs))
         state = self.state
         state.fwd_sig = sig
+        # Real autocast (half tensors, CPU or CUDA): the backward pass then takes the device path, whose
+        # statistics are tensors (the host path's kernels read float32 only).
+        device_type = inputs[0].device.type if inputs else "cpu"
+        state.fwd_autocast = torch.is_autocast_enabled(device_type)
         if state.reach_sig is None or sig == state.reach_sig or not state.has_unreached():
             return None
         state.recompute_requested = True
@@ -234,6 +238,7 @@ class AdaptiveState:
         self.fwd_sig: tuple | None = None
         self.reach_sig: tuple | None = None
         self.recompute_requested = False  # set by GradSignature: the scaler recomputes on this step
+        self.fwd_autocast = False  # set by GradSignature: the latest forward pass ran under real autocast
         self.record: torch.Tensor | None = None
         self.record_where: dict[str, Any] = {}
         self._record_pending = False

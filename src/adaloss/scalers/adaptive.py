@@ -120,6 +120,10 @@ class AdaptiveLossScaler(LossScaler):
             this must stay False there.
         growth_interval (int, optional, default=2000): clean steps before a lowered ``alpha_{N+1}`` doubles.
         enabled (bool, optional, default=True): ``False`` makes every method a passthrough.
+        device_path (bool, optional, default=False): take the code path a GPU takes on the CPU too: on
+            recompute steps the statistics, betas and alphas are tensors (no host floats, no fused C++
+            nodes); the steps in between run on host copies of the betas, as on a GPU. For tests and
+            benchmarks of the GPU path; a forward pass under real autocast takes that path anyway.
     """
 
     name = "adaptive"
@@ -138,6 +142,7 @@ class AdaptiveLossScaler(LossScaler):
         rule: str = "reference",
         scale_upper_bound: float | str | None = "auto",
         accum_upper_bound: float | str | None = "auto",
+        device_path: bool = False,
     ) -> None:
         t_uf = _number(t_uf, "scaler.t_uf")
         if not 0.0 < t_uf < 1.0:
@@ -168,6 +173,9 @@ class AdaptiveLossScaler(LossScaler):
         if not 0 < self.u_min < self.u_max:
             raise ConfigError(f"need 0 < scaler.u_min < scaler.u_max, got {self.u_min} and {self.u_max}")
         super().__init__(init_scale=2.0 ** math.floor(math.log2(init_scale)), enabled=enabled)
+        if not isinstance(device_path, bool):
+            raise ConfigError(f"scaler.device_path must be true or false, got {device_path!r}")
+        self.device_path = device_path
         self.t_uf = t_uf
         self.update_every = update_every
         self.allow_below_one = allow_below_one
@@ -211,6 +219,7 @@ class AdaptiveLossScaler(LossScaler):
             "rule",
             "scale_upper_bound",
             "accum_upper_bound",
+            "device_path",
         }
         unknown = sorted(set(cfg.keys()) - known)
         if unknown:
@@ -230,6 +239,7 @@ class AdaptiveLossScaler(LossScaler):
             rule=cfg.get("rule", "reference"),
             scale_upper_bound=cfg.get("scale_upper_bound", "auto"),
             accum_upper_bound=cfg.get("accum_upper_bound", "auto"),
+            device_path=cfg.get("device_path", False),
         )
 
     # ------------------------------------------------------------------ model
@@ -320,6 +330,8 @@ class AdaptiveLossScaler(LossScaler):
         no device to wait for on the CPU, so reading the kernels' results as floats costs no sync."""
         return (
             device.type == "cpu"
+            and not self.device_path
+            and not self.state.fwd_autocast
             and self.state.reduce_fn is None
             and native.enabled()
             and all(w.dtype == torch.float32 and w.is_cpu for w in self._gemm_weights)
@@ -422,14 +434,14 @@ class AdaptiveLossScaler(LossScaler):
             state.arm_plan(self._loss_scale)
 
     def _fusable(self) -> bool:
+        """Whether the next forward pass may build fused C++ nodes. The weights are checked first and every
+        time (the model may have moved since ``attach()``), so a model on a GPU never compiles the
+        extension (about 25 s and a C++ toolchain, on every rank)."""
+        if self.device_path or not all(w.dtype == torch.float32 and w.is_cpu for w in self._gemm_weights):
+            return False
         if self._fused_ok is None:  # whether every layer has a fused form: fixed once attached
             self._fused_ok = fused.available() and all(m.fusable() for m in self._gemm_modules)
-        # the weights are checked every time: the model may have moved since attach()
-        return (
-            self._fused_ok
-            and fused.enabled()
-            and all(w.dtype == torch.float32 and w.is_cpu for w in self._gemm_weights)
-        )
+        return self._fused_ok and fused.enabled()
 
     def _set_loss_scale(self, value: float) -> None:
         super()._set_loss_scale(value)
