@@ -447,11 +447,16 @@ def test_update_every_reuses_betas_between_updates(monkeypatch):
 
 @pytest.mark.parametrize("kernels", ["native", "torch"])
 def test_no_host_sync_in_the_backward_pass(monkeypatch, kernels):
-    """Nothing in the backward pass calls .item(), .cpu() or .tolist(), on update and reuse steps alike.
+    """Nothing in the backward pass reads a tensor's value on the host, on update and reuse steps alike.
 
     ``torch``: the native kernels off, so the pass takes the device path a GPU run takes (statistics,
-    betas and alphas as 0-dim tensors); ``native``: the CPU's host path, which must not sync either."""
+    betas and alphas as 0-dim tensors), checked by the ATen-level trap of ``tests/sync_trap.py`` (which
+    also fails on ``bool(t)``, ``float(t)`` and host data copied to a tensor); ``native``: the CPU's host
+    path, whose statistics are host floats by design (there is no device to wait for), checked for
+    ``.item()``, ``.cpu()`` and ``.tolist()``. ``tests/test_gpu_path.py`` runs the trap under real
+    autocast."""
     from adaloss.numerics import native
+    from sync_trap import no_host_sync
 
     if kernels == "torch":
         monkeypatch.setattr(native, "_enabled", False)
@@ -471,10 +476,14 @@ def test_no_host_sync_in_the_backward_pass(monkeypatch, kernels):
             def forbidden(*args, **kwargs):
                 raise AssertionError("host-device sync in the backward pass")
 
-            with monkeypatch.context() as m:
-                for method in ("item", "cpu", "tolist"):
-                    m.setattr(torch.Tensor, method, forbidden)
-                scaled.backward()
+            if kernels == "torch":
+                with no_host_sync():
+                    scaled.backward()
+            else:
+                with monkeypatch.context() as m:
+                    for method in ("item", "cpu", "tolist"):
+                        m.setattr(torch.Tensor, method, forbidden)
+                    scaled.backward()
             assert scaler.state.host == (kernels == "native" or scaler.state.recompute is False)
             scaler.step(opt)
             scaler.update()

@@ -8,13 +8,15 @@ over the combined batch). Asserted:
 * a step where only rank 1 has an Inf gradient is skipped on both ranks (weights unchanged on both), as in
   the single process given the same Inf (the found-Inf flag is all-reduced);
 * the adaptive scaler's per-layer scales are bitwise identical on both ranks (its statistics are
-  all-reduced), distinct and above 1; and they equal the single process's scales at twice the initial scale,
-  halved. Not the single process's scales at the same initial scale: each rank backpropagates the mean loss
-  over *its* half batch, so its gradients are twice those of the single process on the whole batch, and the
-  all-reduced statistics (mean second moment, max magnitude) are exactly the single process's with
-  ``alpha_{N+1}`` doubled. Equal statistics give equal betas, so the ranks' alphas are those alphas / 2
-  (exact: every factor is a power of two). Under the reference rule the single process's accumulation bound
-  is doubled too (it caps the alphas themselves); the cases cover both rules.
+  all-reduced), distinct and above 1, and its backward pass (all-gathers and DDP's all-reduces included)
+  reads no value on the host and copies no host data to a tensor (``tests/sync_trap.py``); and they equal
+  the single process's scales at twice the initial scale, halved. Not the single process's scales at the
+  same initial scale: each rank backpropagates the mean loss over *its* half batch, so its gradients are
+  twice those of the single process on the whole batch, and the all-reduced statistics (mean second
+  moment, max magnitude) are exactly the single process's with ``alpha_{N+1}`` doubled. Equal statistics
+  give equal betas, so the ranks' alphas are those alphas / 2 (exact: every factor is a power of two).
+  Under the reference rule the single process's accumulation bound is doubled too (it caps the alphas
+  themselves); the cases cover both rules.
 
 Everything runs in one spawn of 2 workers (torch import dominates the cost).
 """
@@ -102,7 +104,16 @@ def _train(
     for step, (x, y) in enumerate(_data(kind)):
         x, y = x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank]
         loss = nn.functional.cross_entropy(model(x), y) * LOSS_FACTOR
-        scaler.scale(loss).backward()
+        if ddp and scaler_cfg["name"] == "adaptive":
+            # the statistics' all-gathers and DDP's bucket all-reduces run inside this backward pass: still
+            # no value read on the host and no host data copied to a tensor (tests/sync_trap.py)
+            from sync_trap import no_host_sync
+
+            scaled = scaler.scale(loss)  # (arming the scales may copy their constants to the device)
+            with no_host_sync():
+                scaled.backward()
+        else:
+            scaler.scale(loss).backward()
         if inject and step == INJECT_STEP and rank == world - 1:
             next(model.parameters()).grad.view(-1)[0] = float("inf")
         before = [p.detach().clone() for p in model.parameters()]

@@ -25,12 +25,12 @@ import math
 import numpy as np
 import pytest
 import torch
-from tests import authors_port as port
-from tests.reference_cases import branch_cases, layer_cases
 from torch import nn
 
+import authors_port as port
 from adaloss.adaptive import ScaleRule, backward_fan_in, branch_loss_scale, gemm_loss_scale
 from adaloss.scalers.adaptive import AdaptiveLossScaler
+from reference_cases import branch_cases, layer_cases
 
 #: (scale_upper_bound, accum_upper_bound) of the authors' scripts: cifar/utils.py:47-48; imagenet and ssd
 BOUNDS = {"cifar": (128.0, 4096.0), "imagenet_ssd": (16.0, 1024.0)}

@@ -1,15 +1,22 @@
-"""Training precision: FP32, real autocast on CUDA, or rounding emulation on the CPU.
+"""Training precision: FP32, real autocast (CUDA, or the CPU's own half kernels), or rounding emulation.
 
 =========== ============================================== =================================================
-precision   CUDA                                            CPU (and FP8 everywhere)
+precision   backend ``autocast`` (CUDA's default)           backend ``emulate`` (the CPU's default)
 =========== ============================================== =================================================
-fp32        plain FP32                                      plain FP32
-fp16        ``torch.autocast(float16)``, FP32 master        :class:`EmulatedAutocast` rounding to FP16
-            weights, channels_last, cudnn.benchmark
-bf16        ``torch.autocast(bfloat16)``                    emulation rounding to BF16
-fp8_e5m2    emulation: FP16 weights/activations,            the same
-            FP8 e5m2 gradients (no FP8 autocast exists)
+fp32        plain FP32, TF32 off                            plain FP32
+fp16        ``torch.autocast(<device>, float16)``, FP32     :class:`EmulatedAutocast`: FP32 compute rounded
+            master weights (CUDA: channels_last for 4-D     to FP16 wherever autocast would store FP16
+            weights, cudnn.benchmark)
+bf16        ``torch.autocast(<device>, bfloat16)``          emulation rounding to BF16
+fp8_e5m2    (none: no FP8 autocast exists)                  FP16 weights/activations, FP8 e5m2 gradients
 =========== ============================================== =================================================
+
+``precision.backend``: ``auto`` (the default: ``autocast`` on CUDA, ``emulate`` on the CPU), ``autocast`` or
+``emulate``. ``precision.backend=autocast device=cpu`` runs the exact code a GPU run takes, with real FP16 or
+BF16 tensors and the CPU's half kernels (about 60x slower than FP32 on a CPU: for tests, and for checking the
+GPU path without a GPU). ``precision.allow_tf32`` (default false): PyTorch lets CUDA's FP32 matmuls and
+convolutions use TF32 by default on Ampere and newer GPUs (cuDNN's convolutions do), so an "FP32" baseline
+would not be FP32; the flags are turned off unless this is true, and recorded in ``metrics.json``.
 
 Master weights stay FP32 in every mode: the optimizer and the loss scaler only ever see FP32 parameters and
 gradients. Telemetry steps always go through the emulated path (FP32 compute plus rounding, or FP32 with
@@ -31,6 +38,8 @@ from adaloss.numerics.formats import FORMATS, FloatFormat, get_format
 __all__ = ["Precision", "PRECISION_NAMES", "GEMM_MODULES"]
 
 PRECISION_NAMES = ("fp32", "fp16", "bf16", "fp8_e5m2")
+#: The values of ``precision.backend``.
+BACKENDS = ("auto", "autocast", "emulate")
 
 #: Module types whose forward is a GEMM: the layers telemetry and the adaptive scaler are about.
 GEMM_MODULES: tuple[type[nn.Module], ...] = (
@@ -52,9 +61,19 @@ class Precision:
         device (str or torch.device): the training device.
         telemetry_format (str, optional, default="fp16"): the format underflow is measured against when the
             run itself is FP32.
+        backend (str, optional, default="auto"): ``autocast`` (real half tensors on the device), ``emulate``
+            (FP32 compute rounded to the format), or ``auto`` (autocast on CUDA, emulation on the CPU).
+        allow_tf32 (bool, optional, default=False): let CUDA run FP32 matmuls and convolutions in TF32.
     """
 
-    def __init__(self, name: str, device: str | torch.device, telemetry_format: str = "fp16") -> None:
+    def __init__(
+        self,
+        name: str,
+        device: str | torch.device,
+        telemetry_format: str = "fp16",
+        backend: str = "auto",
+        allow_tf32: bool = False,
+    ) -> None:
         name = str(name)
         if name not in PRECISION_NAMES:
             raise ConfigError(
@@ -78,27 +97,79 @@ class Precision:
         else:
             self.format = self.grad_format = get_format(name)
         self.telemetry_format = self.grad_format or get_format(telemetry_format)
-        self.uses_autocast = self.device.type == "cuda" and name in ("fp16", "bf16")
-        self.emulated = self.format is not None and not self.uses_autocast
+        backend = str(backend).strip().lower()
+        if backend not in BACKENDS:
+            raise ConfigError(
+                f"unknown precision.backend '{backend}': choose one of {', '.join(BACKENDS)} "
+                "(e.g. precision.backend=autocast for real half tensors)"
+            )
+        if backend == "autocast" and name == "fp8_e5m2":
+            raise ConfigError(
+                "precision=fp8_e5m2 has no autocast (PyTorch has no FP8 autocast): use "
+                "precision.backend=emulate or auto"
+            )
+        if backend == "autocast" and name == "fp32":
+            raise ConfigError(
+                "precision.backend=autocast needs a half format (precision=fp16 or bf16); precision=fp32 "
+                "runs plain FP32"
+            )
+        if not isinstance(allow_tf32, bool):
+            raise ConfigError(f"precision.allow_tf32 must be true or false, got {allow_tf32!r}")
+        if backend == "auto":
+            backend = "autocast" if self.device.type == "cuda" and name in ("fp16", "bf16") else "emulate"
+        self.backend = backend if self.format is not None else "none"
+        self.allow_tf32 = allow_tf32
+        self.uses_autocast = self.backend == "autocast"
+        self.emulated = self.backend == "emulate"
         self._hooks: list[Any] = []
+
+    @classmethod
+    def from_config(cls, cfg: Any, device: str | torch.device, telemetry_format: str = "fp16") -> Precision:
+        """Build from the ``precision`` config group (``name``, ``backend``, ``allow_tf32``); an unknown
+        field is a ConfigError naming the fields there are."""
+        known = ("name", "backend", "allow_tf32")
+        unknown = sorted(str(k) for k in cfg.keys() if k not in known)
+        if unknown:
+            raise ConfigError(
+                f"precision has no field(s) {', '.join(unknown)}; its fields are: {', '.join(known)}"
+            )
+        return cls(
+            cfg.get("name"),
+            device,
+            telemetry_format=telemetry_format,
+            backend=cfg.get("backend", "auto"),
+            allow_tf32=cfg.get("allow_tf32", False),
+        )
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
         return self.format.dtype if self.uses_autocast and self.format is not None else None
 
+    def apply_tf32(self) -> dict[str, bool]:
+        """Set PyTorch's TF32 switches for this run (off unless ``allow_tf32``) and return them, for
+        ``metrics.json``. A process-wide setting: call it once, before training."""
+        torch.backends.cuda.matmul.allow_tf32 = self.allow_tf32
+        torch.backends.cudnn.allow_tf32 = self.allow_tf32
+        return {
+            "cuda_matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+            "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
+        }
+
     def prepare(self, model: nn.Module) -> nn.Module:
         """Name GEMM layers for telemetry and apply device speed settings; returns the model to train.
 
         Call after ``scaler.attach(model)``. Adds two cheap Python hooks per GEMM module (they push and pop
-        the module's path so an op can be attributed to ``layer3.2.conv1``). On CUDA the model moves to the
-        channels_last memory format, which cuDNN's FP16 convolutions prefer.
+        the module's path so an op can be attributed to ``layer3.2.conv1``). On CUDA the 4-D parameters and
+        buffers (2-D convolutions' weights) move to the channels_last memory format, which cuDNN's FP16
+        convolutions prefer; tensors of other ranks (Conv1d, Conv3d weights) keep theirs, as
+        ``channels_last`` exists for 4-D tensors only.
         """
         for name, module in model.named_modules():
             if isinstance(module, GEMM_MODULES):
                 self._hooks.append(module.register_forward_pre_hook(_push_name(name)))
                 self._hooks.append(module.register_forward_hook(_pop_name))
         if self.device.type == "cuda":
-            model = model.to(memory_format=torch.channels_last)
+            _channels_last_4d(model)
         return model
 
     def autocast(self, monitor: Any = None) -> contextlib.AbstractContextManager:
@@ -111,7 +182,7 @@ class Precision:
         if monitor is not None:
             return EmulatedAutocast(self.format, monitor=monitor, grad_fmt=self.grad_format)
         if self.uses_autocast:
-            return torch.autocast(device_type="cuda", dtype=self.autocast_dtype)
+            return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
         if self.emulated:
             return EmulatedAutocast(self.format, grad_fmt=self.grad_format)
         return contextlib.nullcontext()
@@ -119,6 +190,15 @@ class Precision:
     def __repr__(self) -> str:
         mode = "autocast" if self.uses_autocast else ("emulated" if self.emulated else "native")
         return f"Precision({self.name}, {self.device}, {mode})"
+
+
+def _channels_last_4d(model: nn.Module) -> None:
+    """channels_last for every 4-D parameter and buffer, in place (the same objects: optimizers and the
+    adaptive scaler keep their references); other ranks are left alone."""
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if tensor.dim() == 4:
+                tensor.data = tensor.data.contiguous(memory_format=torch.channels_last)
 
 
 def _push_name(name: str):

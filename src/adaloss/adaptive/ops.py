@@ -956,15 +956,16 @@ class Rescale(torch.autograd.Function):
                 state.branch_rescaled[k] = (a, common)
                 if len(present) == len(grads):
                     state.branch_factors[k] = vec
-                else:
+                else:  # element by element: indexing with a list would copy host data to the device
                     full = torch.ones(len(grads), dtype=vec.dtype, device=vec.device)
-                    full[present] = vec
+                    for i, v in zip(present, vec.unbind(0), strict=True):
+                        full[i] = v
                     state.branch_factors[k] = full
             else:
                 common = state.branch_alpha[k]
                 vec = state.branch_factors[k]
                 if len(present) != len(grads):
-                    vec = vec[present]
+                    vec = torch.stack([vec[i] for i in present])
             factors = list(vec.unbind(0))
         state.alpha[point.out_slot] = common
         # A gradient made by a GEMM point feeding this branch directly is ours to write into.

@@ -55,6 +55,7 @@ def make_loader(
     collate_fn: Callable[[list[Any]], Any] | None = None,
     rank: int = 0,
     world_size: int = 1,
+    pin_memory: bool = False,
 ) -> DataLoader:
     """A DataLoader for ``dataset``: shuffled with a seeded generator when ``train``, in order otherwise.
 
@@ -63,7 +64,8 @@ def make_loader(
       which the trainer seeds.
     * ``drop_last`` defaults to ``train``: no short final batch to skew BatchNorm statistics and the loss
       scale. A training set smaller than one batch is then a ``ConfigError`` (it would yield no steps).
-    * Workers are persistent (no fork per epoch); memory is pinned only when CUDA is available.
+    * Workers are persistent (no fork per epoch); memory is pinned when ``pin_memory`` (the trainer asks
+      for it when training on a GPU: pinned pages speed up host-to-GPU copies and only cost elsewhere).
     * ``collate_fn``: how samples become a batch (default: stacking); detection data passes
       ``adaloss.data.detection_collate``, which keeps one target dict per image.
     * Batches come from a :class:`ResumableBatchSampler` (``loader.batch_sampler``), which draws exactly the
@@ -110,7 +112,7 @@ def make_loader(
         num_workers=num_workers,
         worker_init_fn=functools.partial(seed_worker, rank=rank) if num_workers > 0 else None,
         persistent_workers=num_workers > 0,
-        pin_memory=torch.cuda.is_available(),
+        pin_memory=pin_memory,
         collate_fn=collate_fn,
     )
 

@@ -178,19 +178,21 @@ def _train(
     task.initialize(train_set)  # e.g. model.init=lsuv; the same on every rank (same seed, same samples)
     workers = int(cfg.trainer.num_workers)
     # batch_size is the global batch; under DDP each rank loads its share of every global batch
+    pin = device.type == "cuda"  # pinned host memory only helps copies to a GPU
     train_loader = make_loader(
         train_set, cfg.trainer.batch_size, train=True, seed=cfg.seed, num_workers=workers,
-        collate_fn=task.collate_fn, rank=ranks.rank, world_size=ranks.world,
+        collate_fn=task.collate_fn, rank=ranks.rank, world_size=ranks.world, pin_memory=pin,
     )  # fmt: skip
     test_loader = make_loader(
         test_set, cfg.trainer.eval_batch_size, train=False, seed=cfg.seed, num_workers=workers,
-        collate_fn=task.collate_fn,
+        collate_fn=task.collate_fn, pin_memory=pin,
     )  # fmt: skip
     full_steps, steps = schedule_length(cfg.trainer, len(train_loader))
 
     # ---- loss scaler, precision (this order: the adaptive scaler returns a transformed model, whose GEMM
     # layers the precision then names for telemetry)
-    precision = Precision(cfg.precision.name, device, telemetry_format=str(cfg.telemetry.format))
+    precision = Precision.from_config(cfg.precision, device, telemetry_format=str(cfg.telemetry.format))
+    precision.apply_tf32()  # FP32 stays FP32 on Ampere+ GPUs unless precision.allow_tf32=true
     # The scaler guards the gradients, so it needs the gradient format (fp8_e5m2 differs from the
     # weight/activation format); None for an fp32 run.
     scaler = build_scaler(cfg.scaler, precision.grad_format)

@@ -203,6 +203,7 @@ class AdaptiveLossScaler(LossScaler):
         self._param_names: dict[int, str] = {}
         self._gemm_param_ids: set[int] = set()
         self._gemm_weights: list[torch.Tensor] = []
+        self._scales_cache: tuple[dict[str, float], dict[str, float]] | None = None
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any], fmt: FloatFormat | None) -> AdaptiveLossScaler:
@@ -289,6 +290,7 @@ class AdaptiveLossScaler(LossScaler):
         if self.state is None:
             raise RuntimeError("call scaler.attach(model) and train the returned module before scale()")
         device = _first_tensor(outputs).device
+        self._scales_cache = None  # this backward pass writes new alphas (and maybe betas)
         if self._pending is not None:
             self._restore(self._pending, device)
             self._pending = None
@@ -467,46 +469,66 @@ class AdaptiveLossScaler(LossScaler):
 
     def layer_scales(self) -> dict[str, float]:
         """``{layer: alpha}``: the accumulated scale each conv/linear layer's gradient carried in the last
-        backward pass (the scale its weight gradient was divided by). One host sync (none after a reuse
-        step, whose alphas are host floats)."""
-        return self._per_layer(lambda p: self.state.alpha[p.in_slot])
+        backward pass (the scale its weight gradient was divided by). At most one host sync per backward
+        pass for this and :meth:`layer_betas` together (none after a reuse step, whose alphas and betas are
+        host floats): a telemetry step reads both, and the result is kept until the next ``scale()``."""
+        return dict(self._scales_and_betas()[0])
 
     def layer_betas(self) -> dict[str, float]:
-        """``{layer: beta}``: each layer's local scale (Algorithm 4) currently in use. One host sync."""
-        return self._per_layer(lambda p: self.state.beta[p.index])
+        """``{layer: beta}``: each layer's local scale (Algorithm 4) currently in use. Shares the one host
+        sync of :meth:`layer_scales`."""
+        return dict(self._scales_and_betas()[1])
 
     def branch_rescaled(self) -> dict[str, bool]:
-        """``{branch: whether its incoming gradients had different alphas}`` at the last recompute."""
+        """``{branch: whether its incoming gradients had different alphas}`` at the last recompute. One host
+        sync."""
         if self.state is None:
             return {}
         self.state.sync_record()
-        out = {}
+        names, flags = [], []
         for point in self.state.branches:
             flag = self.state.rescaled(point.index)
             if flag is not None:
-                out[point.name] = bool(flag.item())
-        return out
+                names.append(point.name)
+                flags.append(flag.reshape(()))
+        if not flags:
+            return {}
+        values = torch.stack([f.to(flags[0].device) for f in flags]).cpu().tolist()  # the one sync
+        return {n: bool(v) for n, v in zip(names, values, strict=True)}
 
     def loss_scale_metric(self) -> dict[str, float]:
         """What the logger records as the loss scale: ``layer_scales()``."""
         return self.layer_scales()
 
-    def _per_layer(self, pick) -> dict[str, float]:
+    def _scales_and_betas(self) -> tuple[dict[str, float], dict[str, float]]:
+        """Every layer's alpha and beta, read together: one host sync for the device tensors among them,
+        cached until the next backward pass (``scale()`` clears it)."""
+        if self._scales_cache is not None:
+            return self._scales_cache
         if self.state is None:
-            return {}
-        self.state.sync_record()
-        names, values = [], []
-        for point in self.state.gemms:
-            v = pick(point)
-            if v is not None:
-                names.append(point.name)
-                values.append(v)
-        tensors = [v.float().reshape(()) for v in values if isinstance(v, torch.Tensor)]
-        if not tensors:  # nothing, or host floats only (a reuse step): no sync
-            return {n: float(v) for n, v in zip(names, values, strict=True)}
-        it = iter(torch.stack([t.to(tensors[0].device) for t in tensors]).cpu().tolist())
-        host = [next(it) if isinstance(v, torch.Tensor) else float(v) for v in values]
-        return dict(zip(names, host, strict=True))
+            return {}, {}
+        state = self.state
+        state.sync_record()
+        entries = []  # (name, kind, value)
+        host_betas = state.beta_host  # the host copies, when the last recompute was fetched (no sync)
+        for point in state.gemms:
+            beta = state.beta[point.index]
+            if beta is not None and host_betas is not None:
+                beta = host_betas[point.index]
+            for kind, value in (("alpha", state.alpha[point.in_slot]), ("beta", beta)):
+                if value is not None:
+                    entries.append((point.name, kind, value))
+        tensors = [v.float().reshape(()) for _, _, v in entries if isinstance(v, torch.Tensor)]
+        host: list[float] = []
+        if tensors:  # the one sync
+            host = torch.stack([t.to(tensors[0].device) for t in tensors]).cpu().tolist()
+        it = iter(host)
+        out: tuple[dict[str, float], dict[str, float]] = ({}, {})
+        for name, kind, value in entries:
+            number = next(it) if isinstance(value, torch.Tensor) else float(value)
+            out[0 if kind == "alpha" else 1][name] = number
+        self._scales_cache = out
+        return out
 
     # ------------------------------------------------------------------ checkpointing
 
@@ -574,6 +596,7 @@ class AdaptiveLossScaler(LossScaler):
             }
 
     def _restore(self, saved: dict[str, Any], device: torch.device) -> None:
+        self._scales_cache = None
         state = self.state
         layers = [p.name for p in state.gemms]
         if saved["layers"] != layers or saved["branches"] != [p.name for p in state.branches]:

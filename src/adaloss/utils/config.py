@@ -224,7 +224,7 @@ def _check_run(cfg: DictConfig) -> None:
     _positive_int(cfg.telemetry.every, "telemetry.every", 100)
     select_device(cfg.device)  # raises for an unknown name, and for cuda without a CUDA device
     # The CPU suffices to check the names; the scaler needs the gradient format (fp8_e5m2 has its own).
-    precision = Precision(cfg.precision.name, "cpu", telemetry_format=cfg.telemetry.format)
+    precision = Precision.from_config(cfg.precision, "cpu", telemetry_format=cfg.telemetry.format)
     build_scaler(cfg.scaler, precision.grad_format)
 
 
