@@ -407,9 +407,34 @@ def _train_steps(scaler, model, steps, inject_inf_at=(), seed=0, precision=None,
     return model, opt, history
 
 
-def test_overflow_skips_step_and_recomputes_scales():
+def test_overflow_skips_step_and_recomputes_scales(monkeypatch):
+    from adaloss.adaptive import ops
+
+    # Which iterations recompute the betas: every beta comes from gemm_loss_scale (device path) or
+    # native.beta_host (host recompute pass), called once per layer on a recompute iteration only.
+    recomputed, iteration = [], [0]
     scaler = AdaptiveLossScaler(update_every=100)
+    for owner, name in ((ops, "gemm_loss_scale"), (ops.native, "beta_host")):
+        original = getattr(owner, name)
+
+        def counting(*args, _original=original, **kwargs):
+            recomputed.append(iteration[0])
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, counting)
+    update = scaler.update
+
+    def counted_update(*args, **kwargs):
+        update(*args, **kwargs)
+        iteration[0] += 1
+
+    monkeypatch.setattr(scaler, "update", counted_update)
     model, opt, history = _train_steps(scaler, _cifar("resnet20"), 6, inject_inf_at=(2, 3, 4))
+    n_layers = len(scaler.state.gemms)
+    # update_every=100 recomputes on iteration 0 only; an overflow (iterations 2, 3, 4) forces a recompute
+    # on the next iteration (3, 4, 5), whose gradients come from weights the scales were not computed for
+    assert sorted(set(recomputed)) == [0, 3, 4, 5]
+    assert all(recomputed.count(i) == n_layers for i in (0, 3, 4, 5)), (n_layers, recomputed)
     params = list(model.parameters())
     skipped = [s for s, _ in history]
     assert skipped == [False, False, True, True, True, False]

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 from torch.utils.data import TensorDataset
 
 from adaloss.data.loaders import BatchStream, make_loader
@@ -26,6 +26,7 @@ from adaloss.engine import train
 from adaloss.engine.checkpoint import CheckpointError, CheckpointManager, load_checkpoint
 from adaloss.errors import ConfigError
 from adaloss.utils.seed import capture_rng_state, restore_rng_state
+from conftest import QUIET, compose_train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -174,6 +175,74 @@ def test_in_process_resume_matches_the_uninterrupted_run(
     for key in ("train_loss", "test_accuracy", "best_test_accuracy", "skipped_steps", "loss_scale", "lr"):
         assert resumed[key] == full[key], key
     assert (tmp_path / "telemetry.jsonl").read_text() == telemetry  # no line lost or doubled
+
+
+def test_resume_from_a_file_starts_at_its_step_and_ends_where_the_uninterrupted_run_ends(
+    make_cfg: Callable[..., DictConfig], tmp_path: Path
+) -> None:
+    """``resume=<file>`` of another folder's checkpoint: the run does iterations 5 and 6 only, ends bitwise on
+    the uninterrupted run's weights, and not on those of a fresh run of its 2 iterations (what a run that
+    ignored ``resume=`` and started over would do, had it the same length)."""
+
+    def run(folder: str, *overrides: str) -> tuple[list[int], dict[str, torch.Tensor]]:
+        cfg = make_cfg(*FAST, "scaler=dynamic", *overrides)
+        with open_dict(cfg):
+            cfg.paths.output_dir = str(tmp_path / folder)
+        steps: list[int] = []
+        train(cfg, callbacks=[lambda step, *_: steps.append(step)])
+        return steps, _weights(tmp_path / folder / "model.pt")
+
+    steps, reference = run("reference")
+    assert steps == [1, 2, 3, 4, 5, 6]
+    checkpoint = tmp_path / "reference" / "checkpoints" / "step_4.pt"
+    steps, resumed = run("resumed", f"resume={checkpoint}")
+    assert steps == [5, 6]
+    _assert_bitwise_equal(reference, resumed)
+    _, fresh = run("fresh", "trainer.max_steps=2")
+    assert any(not torch.equal(fresh[k], resumed[k]) for k in resumed if k.endswith("weight"))
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "named"),
+    [
+        ((), ("seed=1",), "seed=0"),
+        ((), ("trainer.batch_size=2",), "trainer.batch_size=4"),
+        ((), ("trainer.max_steps=4",), "trainer.max_steps=3"),  # the run length: max_steps caps it
+        (
+            ("trainer.max_steps=null", "trainer.steps=3"),
+            ("trainer.max_steps=null", "trainer.steps=4"),
+            "trainer.max_steps=3",
+        ),  # or the schedule's length when nothing caps it
+    ],  # fmt: skip
+    ids=["seed", "batch_size", "max_steps", "steps"],
+)
+def test_a_checkpoint_of_another_seed_batch_size_or_run_length_is_refused(
+    make_cfg: Callable[..., DictConfig], tmp_path: Path, before: tuple, after: tuple, named: str
+) -> None:
+    run = ("scaler=dynamic", "trainer.max_steps=3", "trainer.checkpoint_every=2")
+    train(make_cfg(*run, *before))
+    written = (tmp_path / "metrics.json").read_text()
+    with pytest.raises(ConfigError) as info:
+        train(make_cfg(*run, *after, "resume=auto"))
+    message = str(info.value)
+    assert "step_2.pt" in message and "belongs to a different run" in message and named in message
+    assert "\n" not in message and (tmp_path / "metrics.json").read_text() == written  # nothing overwritten
+
+
+def test_a_checkpoint_of_another_dataset_is_refused(
+    make_cfg: Callable[..., DictConfig], single_thread: None, tmp_path: Path
+) -> None:
+    # TINY's synthetic data, then the bundled digits at the same batch size and length
+    train(make_cfg("trainer.max_steps=3", "trainer.checkpoint_every=2"))
+    digits = compose_train(["dataset=digits", *QUIET, "trainer.batch_size=4", "trainer.max_steps=3",
+                            f"resume={tmp_path / 'checkpoints' / 'step_2.pt'}"])  # fmt: skip
+    with open_dict(digits):
+        digits.paths.output_dir = str(tmp_path / "digits")
+    with pytest.raises(ConfigError) as info:
+        train(digits)
+    message = str(info.value)
+    assert "belongs to a different run" in message and "dataset=synthetic" in message, message
+    assert not (tmp_path / "digits" / "metrics.json").exists()
 
 
 def test_corrupt_newest_checkpoint_warns_and_the_previous_is_used(

@@ -194,14 +194,21 @@ def test_ddp_matches_one_process_on_the_global_batch(ddp_sweep, single_runs, pre
 
 
 def test_one_process_resumes_a_ddp_checkpoint(ddp_sweep, single_runs, tmp_path):
-    """The data position counts global batches: a DDP checkpoint continues at world size 1."""
+    """The data position counts global batches: a DDP checkpoint continues at world size 1. The run does
+    iterations 5-8 only (a run that ignored ``resume=`` would do 1-8 and, being the one-process reference
+    run over again, end on its weights too)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    done: list[int] = []
     try:
         checkpoint = ddp_sweep / "fp32_adaptive" / "checkpoints" / "step_4.pt"
-        metrics = train(_cfg(tmp_path, "precision=fp32", "scaler=adaptive", f"resume={checkpoint}"))
+        metrics = train(
+            _cfg(tmp_path, "precision=fp32", "scaler=adaptive", f"resume={checkpoint}"),
+            callbacks=[lambda step, *_: done.append(step)],
+        )
     finally:
         torch.set_num_threads(threads)
+    assert done == list(range(5, STEPS + 1))
     assert metrics["steps"] == STEPS and metrics["world_size"] == 1
     reference = _weights(single_runs["fp32", "adaptive"] / "model.pt")
     final = _weights(tmp_path / "model.pt")

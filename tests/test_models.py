@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.fx
@@ -118,14 +120,25 @@ def test_no_inplace_relu(key: str) -> None:
 
 @pytest.mark.parametrize("key", sorted(CONFIGS))
 def test_every_model_traces_with_fx(key: str) -> None:
+    """What the adaptive scaler needs of the fx graph it rewrites: every conv/linear layer is a
+    ``call_module`` node (a layer applied functionally, ``F.linear(x, self.fc.weight)``, would escape its
+    scaling), and the graph trains as the model does: the same outputs and parameter gradients in training
+    mode (batch norm on batch statistics) as an independent eager copy, on a batch size not traced with."""
     torch.manual_seed(0)
-    model = build_model(CONFIGS[key], num_classes=10).eval()
+    model = build_model(CONFIGS[key], num_classes=10).train()
+    eager = copy.deepcopy(model)  # its own parameters and batch-norm buffers
     traced = torch.fx.symbolic_trace(model)
-    x = torch.randn(2, 3, 32, 32)
-    with torch.no_grad():
-        torch.testing.assert_close(traced(x), model(x))
-    ops = {n.op for n in traced.graph.nodes}
-    assert "call_module" in ops
+    gemms = {name for name, m in model.named_modules() if isinstance(m, nn.Conv2d | nn.Linear)}
+    called = {n.target for n in traced.graph.nodes if n.op == "call_module"}
+    assert gemms and gemms <= called, sorted(gemms - called)
+    assert not [n.target for n in traced.graph.nodes if n.op == "call_function" and "linear" in str(n.target)]
+    x = torch.randn(3, 3, 32, 32)
+    out, ref = traced(x), eager(x)
+    torch.testing.assert_close(out, ref)
+    (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+    (ref * torch.linspace(-1, 1, ref.numel()).view_as(ref)).sum().backward()
+    for (name, p), (_, q) in zip(traced.named_parameters(), eager.named_parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
 
 
 def test_mlp_shapes_and_in_features() -> None:

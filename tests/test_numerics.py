@@ -174,6 +174,47 @@ def test_emulation_rounds_activations_and_keeps_fp32_ops():
     assert block.conv.weight.dtype == torch.float32
 
 
+@pytest.mark.parametrize("pool", ["avg_pool2d", "adaptive_avg_pool2d"])
+def test_average_pooling_rounds_after_pooling_and_rounds_its_gradient(pool):
+    """The emulation section's promise for pooling, an op autocast runs in FP16: the mean of FP16 values is
+    rounded once, after pooling (the conv's rounded output averaged in FP32, then rounded), and the gradient
+    with respect to the pooled output is rounded in the backward pass before pooling spreads it."""
+
+    class Pooled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(2, 2, 1)
+
+        def forward(self, x):
+            self.h = self.conv(x)  # a GEMM output: FP16 values
+            self.h.retain_grad()
+            if pool == "avg_pool2d":
+                self.pooled = nn.functional.avg_pool2d(self.h, 2)
+            else:
+                self.pooled = nn.functional.adaptive_avg_pool2d(self.h, 1)
+            return self.pooled
+
+    fp16 = get_format("fp16")
+    torch.manual_seed(0)
+    block = Pooled()
+    precision = Precision("fp16", "cpu")
+    block = precision.prepare(block)
+    x = torch.randn(3, 2, 2, 2)
+    with precision.autocast():
+        out = block(x)
+    mean = block.h.mean(dim=(2, 3), keepdim=True)  # pooled in FP32 from the FP16 values
+    assert torch.equal(block.h, round_to_format(block.h, fp16))
+    assert torch.equal(out, round_to_format(mean, fp16))  # rounded once, after pooling
+    assert not torch.equal(out, mean)  # (these means are not all FP16 values: the rounding did something)
+    # the gradient arriving at the pooled output: 1 + 2^-12 rounds to 1 and 2^-26 to 0 in FP16; pooling
+    # spreads the rounded value over the 2 x 2 window
+    arriving = torch.tensor([1 + 2.0**-12, 2.0**-26, -3.0]).view(3, 1, 1, 1).expand(3, 2, 1, 1)
+    (out * arriving).sum().backward()
+    expected = round_to_format(arriving, fp16).expand(3, 2, 2, 2) / 4
+    assert torch.equal(block.h.grad, expected)
+    assert (block.h.grad[1] == 0).all() and (block.h.grad[0] == 0.25).all()
+
+
 def test_bf16_and_fp8_gradients_are_in_their_formats():
     x = torch.randn(16, 20)
     y = torch.randint(0, 10, (16,))

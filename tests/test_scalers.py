@@ -583,10 +583,16 @@ def test_build_scaler_reports_bad_config() -> None:
         build_scaler("dynamic")  # type: ignore[arg-type]
 
 
-def test_build_scaler_adaptive_not_available(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "adaloss.scalers.adaptive", None)  # as if the file did not exist
-    with pytest.raises(ConfigError, match="scaler=adaptive is not available yet"):
-        build_scaler({"name": "adaptive"})
+def test_build_scaler_adaptive_builds_the_layer_wise_scaler() -> None:
+    from adaloss.numerics import get_format
+    from adaloss.scalers.adaptive import AdaptiveLossScaler
+
+    cfg = {"name": "adaptive", "t_uf": "1e-2", "update_every": 7, "init_scale": 4}
+    scaler = build_scaler(cfg, get_format("fp8_e5m2"))
+    assert type(scaler) is AdaptiveLossScaler
+    assert (scaler.t_uf, scaler.update_every, scaler.get_scale()) == (1e-2, 7, 4.0)
+    assert scaler.u_min == 2.0**-16  # the gradient format's smallest subnormal: FP8 e5m2's, not FP16's
+    assert build_scaler({"name": "adaptive"}).u_min == 2.0**-24  # no format given: FP16
 
 
 def test_build_scaler_adaptive_delegates_to_from_config(monkeypatch: pytest.MonkeyPatch) -> None:

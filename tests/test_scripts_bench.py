@@ -108,7 +108,13 @@ def test_bench_quick_writes_every_ratio(bench, tmp_path: Path, capsys, one_threa
     printed = capsys.readouterr().out
     assert "Machine:" in printed and "torch" in printed and "cpu clock" in printed
     assert "| emulated FP16 / FP32 (scaler none)" in printed
-    assert ("PASS" in printed) or ("over target" in printed)
+    # every ratio with a target has its row, whose verdict is the one its median and target give
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in printed.splitlines()]
+    for key, target in TARGETS.items():
+        entry = payload["ratios"][f"{key}/resnet20"]
+        row = next(r for r in rows if r[:2] == [entry["label"], "ResNet-20"])
+        assert row[2] == f"{entry['median']:.3f}x" and row[4] == f"<= {target:g}x", row
+        assert row[5] == ("PASS" if entry["median"] <= target else "over target"), row
 
 
 def test_bench_paired_configs_report_only_their_ratios(bench, tmp_path: Path, capsys, one_thread) -> None:

@@ -1,6 +1,7 @@
 """SSD300 / SSD512: configuration, forward / loss / post-processing, fx, adaptive exactness, weights."""
 
 import copy
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -263,7 +264,27 @@ def test_from_scratch_init_helpers():
     stds = lsuv_init_(detector.net.backbone, images)
     convs = [n for n, m in detector.net.backbone.named_children() if isinstance(m, torch.nn.Conv2d)]
     assert list(stds) == convs and len(convs) == 25  # 13 VGG + conv6, conv7 + 5 extra blocks of 2
-    assert all(abs(std - 1.0) < 0.05 for std in stds.values()), stds
+    # measured here, not taken from what lsuv_init_ reports: each conv's output std on the same images
+    measured: dict[str, float] = {}
+
+    def hook(name: str) -> Callable:
+        def record(_module: torch.nn.Module, _inputs: tuple, output: torch.Tensor) -> None:
+            measured[name] = output.std().item()
+
+        return record
+
+    handles = [
+        module.register_forward_hook(hook(name))
+        for name, module in detector.net.backbone.named_children()
+        if isinstance(module, torch.nn.Conv2d)
+    ]
+    with torch.no_grad():
+        detector.net.backbone(images)
+    for handle in handles:
+        handle.remove()
+    assert list(measured) == convs
+    assert all(abs(std - 1.0) < 0.05 for std in measured.values()), measured
+    assert measured == pytest.approx(stds, rel=1e-5)  # and the report is what the layers do
     after = [f.std().item() for f in detector.net.backbone(images)]
     assert before[-1] < 1e-3 < 0.1 < min(after)  # the last map: vanishing at the default init, O(1) after
     probs = detector.net(images)[0].softmax(-1)

@@ -217,6 +217,7 @@ def _train(
         raise ConfigError(f"trainer.on_divergence must be 'fail' or 'record', got '{on_divergence}'")
     record_divergence = on_divergence == "record"
     clip = cfg.trainer.grad_clip
+    loss_factor = float(cfg.trainer.get("loss_multiplier", 1.0)) * ranks.loss_factor  # gradients only
     log_every, eval_every = int(cfg.trainer.log_every), int(cfg.trainer.eval_every)
     save_final = bool(cfg.trainer.get("save_final", False))
     faults = GradientFaults.from_config(cfg.get("faults"), module)  # test hook; no-op unless faults.inject
@@ -281,7 +282,8 @@ def _train(
                 # backward through the loss scale; step unless a gradient is Inf/NaN
                 faults.arm(step + 1)  # test hook (faults.inject): nothing happens unless configured
                 # DDP sums the ranks' gradients: loss / N makes that the global batch's mean gradient
-                scaler.scale(loss * ranks.loss_factor if ranks.distributed else loss).backward()
+                # trainer.loss_multiplier (default 1): a test knob that shrinks every gradient (train.yaml)
+                scaler.scale(loss * loss_factor if loss_factor != 1.0 else loss).backward()
                 if clip is not None:
                     scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
                     nn.utils.clip_grad_norm_(model.parameters(), float(clip))

@@ -92,13 +92,6 @@ def _build_adaptive(cfg: Mapping[str, Any], fmt: FloatFormat | None) -> LossScal
     if cfg.get("init_scale") is not None:
         positive_number(cfg["init_scale"], "scaler.init_scale", "1")
     # Imported lazily: the adaptive scaler pulls in torch.fx machinery the other scalers do not need.
-    try:
-        from adaloss.scalers.adaptive import AdaptiveLossScaler
-    except ModuleNotFoundError as error:
-        if error.name != "adaloss.scalers.adaptive":
-            raise  # the module exists but one of its own imports is missing: show the real cause
-        raise ConfigError(
-            "scaler=adaptive is not available yet (adaloss/scalers/adaptive.py is missing); "
-            "choose scaler=none, fixed or dynamic"
-        ) from None
+    from adaloss.scalers.adaptive import AdaptiveLossScaler
+
     return AdaptiveLossScaler.from_config(cfg, fmt)

@@ -173,6 +173,7 @@ def _check_trainer(t: DictConfig) -> None:
     _positive_int(t.epochs, "trainer.epochs", 90, allow_none=True)
     if t.grad_clip is not None:
         _number(t.grad_clip, "trainer.grad_clip", 1.0, 0.0, low_open=True)
+    _number(t.get("loss_multiplier", 1.0), "trainer.loss_multiplier", 1.0, 0.0, low_open=True)
     if isinstance(t.num_workers, bool) or not isinstance(t.num_workers, int) or t.num_workers < 0:
         raise ConfigError(
             f"trainer.num_workers must be an integer >= 0, got {t.num_workers!r}; e.g. trainer.num_workers=0"
