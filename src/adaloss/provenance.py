@@ -18,8 +18,6 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-import torch
-
 __all__ = ["collect_provenance", "cpu_name", "device_name", "git_state"]
 
 #: Seconds each git call may take (a network file system can stall); past it the state is reported unknown.
@@ -75,8 +73,10 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
-def device_name(device: torch.device) -> str:
-    """The CUDA device's name for a CUDA device, else the CPU's model name."""
+def device_name(device: Any) -> str:
+    """The CUDA device's name for a CUDA ``torch.device``, else the CPU's model name."""
+    import torch
+
     if device.type == "cuda" and torch.cuda.is_available():
         return torch.cuda.get_device_name(device)
     return cpu_name()
@@ -97,7 +97,7 @@ def _torchvision_version() -> str | None:
     return str(torchvision.__version__)
 
 
-def collect_provenance(device: torch.device, precision: Any = None) -> dict[str, Any]:
+def collect_provenance(device: Any, precision: Any = None) -> dict[str, Any]:
     """The ``provenance`` block of ``metrics.json``.
 
     Args:
@@ -114,6 +114,8 @@ def collect_provenance(device: torch.device, precision: Any = None) -> dict[str,
     settings in effect (``torch.backends.cuda.matmul.allow_tf32``, ``torch.backends.cudnn.allow_tf32``),
     which decide whether FP32 matrix products on Ampere or newer GPUs round their inputs to 10 mantissa bits.
     """
+    import torch  # here, not at the top: the scripts import cpu_name without paying for torch
+
     info: dict[str, Any] = dict(git_state())
     info.update(
         python=platform.python_version(),
