@@ -171,13 +171,38 @@ def test_runs_without_overrides_are_told_apart_by_their_config(tmp_path: Path) -
         ("scaler.scale=1024", 0, 1),
     ]
     assert summary.rows[0].stats.mean == pytest.approx(91.0) and summary.rows[0].skipped_steps == 0.5
-    assert summary.rows[1].mean_underflow is None  # not recorded: shown as —, not 0
+    # a diverged run stopped early: its skipped steps and underflow are not averaged (—, not 0)
+    assert summary.rows[1].skipped_steps is None and summary.rows[1].mean_underflow is None
     lines = sweeps_markdown([summary]).splitlines()
     row = next(line for line in lines if line.startswith("| `scaler.scale=1024`"))
     assert [c.strip() for c in row.strip("|").split("|")] == [
         "`scaler.scale=1024`",
         "diverged (n=1)",
         "0",
-        "0",
+        "—",
         "—",
     ]
+
+
+def test_sweep_figures_leave_diverged_runs_out_of_the_end_of_training(tmp_path: Path) -> None:
+    """A diverged run stopped early: its last underflow is not the end of training; its loss scale
+    history still counts, up to where it stopped."""
+    layers = ["fc1", "fc2"]
+
+    def run(name: str, seed: int, steps: list[int], rate: float, diverged: bool) -> None:
+        _write(tmp_path / "grid" / name, None if diverged else 90.0, 16, seed, diverged=diverged)
+        lines = [
+            {"step": s, "underflow_rate": dict.fromkeys(layers, rate), "loss_scale": 16.0} for s in steps
+        ]
+        (tmp_path / "grid" / name / "telemetry.jsonl").write_text(
+            "".join(json.dumps(x) + "\n" for x in lines)
+        )
+
+    run("0_seed=0", 0, [1, 101, 200], 0.25, diverged=False)
+    run("1_seed=1", 1, [1, 51], 0.75, diverged=True)
+    runs, _ = mf.read_runs([tmp_path])
+    (group,) = mf.sweep_groups(runs)
+    layers_back, curves = mf.sweep_underflow_data(group)
+    assert layers_back == ["fc2", "fc1"] and curves == {"(every run) (1 diverged left out)": [0.25, 0.25]}
+    (scale,) = mf.sweep_scale_data(group)
+    assert scale.steps == [1, 51, 101, 200] and scale.value == [16.0] * 4

@@ -67,7 +67,7 @@ from typing import Any
 
 from adaloss.reports.common import DATASET_LABELS, MODEL_LABELS, ReportError, fmt_num, markdown_table, number
 from adaloss.reports.runs import Records, RunInfo, read_records, read_telemetry, run_infos
-from adaloss.reports.sweeps import configuration_labels, group_by_sweep
+from adaloss.reports.sweeps import configuration_labels, diverged, group_by_sweep
 
 __all__ = [
     "FIGURES",
@@ -276,32 +276,17 @@ def _slug(text: str) -> str:
 def sweep_groups(runs: Sequence[RunInfo]) -> list[SweepGroup]:
     """The runs that have telemetry, by sweep and then by (model, dataset); within a group, each run is
     labelled by what sets it apart from the group's other runs."""
-    with_telemetry = [r for r in runs if r.record is not None and r.telemetry_path.is_file()]
-    by_source = {r.record.source: r for r in with_telemetry if r.record is not None}
+    run_of = {r.record.source: r for r in runs if r.record is not None and r.telemetry_path.is_file()}
     groups = []
-    for sweep, records in group_by_sweep(r.record for r in with_telemetry if r.record is not None).items():
-        settings = list(
-            dict.fromkeys((by_source[rec.source].model, by_source[rec.source].dataset) for rec in records)
-        )
+    for sweep, records in group_by_sweep(r.record for r in run_of.values() if r.record is not None).items():
+        members = [run_of[record.source] for record in records]  # job order
+        settings = list(dict.fromkeys((r.model, r.dataset) for r in members))
         for model, dataset in settings:
-            chosen = [
-                rec
-                for rec in records
-                if (by_source[rec.source].model, by_source[rec.source].dataset) == (model, dataset)
-            ]
-            _, labels = configuration_labels(chosen)
+            chosen = [r for r in members if (r.model, r.dataset) == (model, dataset)]
+            _, labels = configuration_labels([r.record for r in chosen if r.record is not None])
             stem = _slug(sweep if len(settings) == 1 else f"{sweep}_{model}_{dataset}")
-            members = [by_source[rec.source] for rec in chosen]
-            groups.append(
-                SweepGroup(
-                    sweep,
-                    model,
-                    dataset,
-                    members,
-                    {str(by_source[rec.source].path): labels[rec.source] for rec in chosen},
-                    stem,
-                )
-            )
+            by_path = {str(r.path): labels[r.record.source] for r in chosen if r.record is not None}
+            groups.append(SweepGroup(sweep, model, dataset, chosen, by_path, stem))
     return groups
 
 
@@ -312,19 +297,27 @@ def _nan_mean(values: Sequence[float]) -> float:
 
 def sweep_underflow_data(group: SweepGroup) -> tuple[list[str], dict[str, list[float]]]:
     """``(layers, {configuration: rates})``: each configuration's per-layer underflow rate at its runs' last
-    telemetry step (the last iteration), averaged over its runs; layers in backpropagation order (ID 0
-    first), NaN where no run of the configuration recorded the layer.
+    telemetry step (the last iteration), averaged over its runs that did not diverge (a diverged run stopped
+    early: its last step is not the end of training; a configuration whose runs all diverged gets an empty
+    curve, so the legend still names it); layers in backpropagation order (ID 0 first), NaN where no run of
+    the configuration recorded the layer.
 
     Raises:
         NoData: if no run records per-layer underflow.
     """
     finals: dict[str, list[dict[str, float]]] = {}
     for label, runs in group.configurations().items():
-        for run in runs:
+        finished = [run for run in runs if run.record is None or not diverged(run.record)]
+        left_out = len(runs) - len(finished)
+        if not finished:
+            finals[f"{label} (diverged)"] = []
+            continue
+        key = f"{label} ({left_out} diverged left out)" if left_out else label
+        for run in finished:
             rows = [m for r in run.telemetry if (m := _per_layer(r, "underflow_rate"))]
             if rows:
-                finals.setdefault(label, []).append(rows[-1])
-    if not finals:
+                finals.setdefault(key, []).append(rows[-1])
+    if not any(finals.values()):
         raise NoData("its runs' telemetry has no per-layer underflow_rate")
     layers = network_order([m for maps in finals.values() for m in maps])[::-1]
     curves = {
@@ -367,7 +360,8 @@ def _scale_at(row: Mapping[str, Any]) -> tuple[float, float, float] | None:
 
 
 def sweep_scale_data(group: SweepGroup) -> list[ScaleCurve]:
-    """A :class:`ScaleCurve` per configuration, at the telemetry steps all its runs recorded.
+    """A :class:`ScaleCurve` per configuration, at every telemetry step one of its runs recorded (over the
+    runs that recorded it: a diverged run's part ends where it stopped).
 
     Raises:
         NoData: if no run records its loss scale.
@@ -375,15 +369,14 @@ def sweep_scale_data(group: SweepGroup) -> list[ScaleCurve]:
     curves = []
     for label, runs in group.configurations().items():
         per_run = [{int(r["step"]): s for r in run.telemetry if (s := _scale_at(r))} for run in runs]
-        per_run = [scales for scales in per_run if scales]
-        if not per_run:
+        steps = sorted({step for scales in per_run for step in scales})
+        if not steps:
             continue
-        steps = sorted(set.intersection(*(set(s) for s in per_run))) or sorted(per_run[0])
-        present = [scales for scales in per_run if all(step in scales for step in steps)]
-        value = [_geomean([s[step][0] for s in present]) for step in steps]
-        layerwise = any(s[step][1] != s[step][2] for s in present for step in steps)
-        low = [min(s[step][1] for s in present) for step in steps] if layerwise else None
-        high = [max(s[step][2] for s in present) for step in steps] if layerwise else None
+        at = {step: [scales[step] for scales in per_run if step in scales] for step in steps}
+        value = [_geomean([s[0] for s in at[step]]) for step in steps]
+        layerwise = any(s[1] != s[2] for step in steps for s in at[step])
+        low = [min(s[1] for s in at[step]) for step in steps] if layerwise else None
+        high = [max(s[2] for s in at[step]) for step in steps] if layerwise else None
         curves.append(ScaleCurve(label, steps, value, low, high))
     if not curves:
         raise NoData("its runs' telemetry has no loss_scale")
@@ -554,7 +547,7 @@ def plot_layers(
     from matplotlib.ticker import FuncFormatter
 
     n = len(layers)
-    fig, ax = plt.subplots(figsize=(max(8.0, 3.5 + 0.24 * n), 5.2), dpi=150)
+    fig, ax = plt.subplots(figsize=(max(10.0, 3.5 + 0.24 * n), 5.2), dpi=150)
     cmap = plt.get_cmap("viridis")
     x = list(range(n))
     for k, (label, values) in enumerate(curves):
@@ -749,7 +742,7 @@ def write_index(
     out: Path, made: Sequence[Made], skipped: Mapping[str, str], sweep_made: Sequence[SweepMade] = ()
 ) -> None:
     """``figures.md`` (for people) and ``figures.json`` (for scripts): each figure, its runs and steps."""
-    text = "# Figures\n"
+    parts = ["# Figures"]
     if made:
         rows = [
             [
@@ -760,9 +753,7 @@ def write_index(
             ]
             for m in made
         ]
-        text += "\n" + markdown_table(["figure", "runs", "layers", "iterations plotted"], rows, left=4)
-    if skipped:
-        text += "\n\nSkipped:\n\n" + "\n".join(f"- {fig}: {why}" for fig, why in skipped.items())
+        parts.append(markdown_table(["figure", "runs", "layers", "iterations plotted"], rows, left=4))
     if sweep_made:
         rows = [
             [
@@ -773,9 +764,12 @@ def write_index(
             ]
             for m in sweep_made
         ]
-        text += "\n\n## Sweep figures\n\n" + markdown_table(
-            ["figure", "sweep", "runs", "configurations"], rows, left=4
-        )
+        table = markdown_table(["figure", "sweep", "runs", "configurations"], rows, left=4)
+        parts.append("## Sweep figures\n\n" + table)
+    if skipped:
+        reasons = "\n".join(f"- {fig}: {why}" for fig, why in skipped.items())
+        parts.append("Paper figures skipped:\n\n" + reasons)
+    text = "\n\n".join(parts)
     (out / "figures.md").write_text(text + "\n", encoding="utf-8")
     index = {
         "figures": {

@@ -15,7 +15,6 @@ the reader was given; a W&B run to its group, which the trainer sets to the swee
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -337,11 +336,3 @@ def run_infos(records: Records) -> list[RunInfo]:
         experiment = experiment_of(record.folder, record.config)
         runs.append(RunInfo(path=record.folder, config=record.config, experiment=experiment, record=record))
     return runs
-
-
-def relative(path: str | os.PathLike[str]) -> str:
-    """``path`` relative to the working directory when below it, else as given."""
-    try:
-        return str(Path(path).resolve().relative_to(Path.cwd()))
-    except ValueError:
-        return str(path)

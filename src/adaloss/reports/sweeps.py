@@ -11,7 +11,8 @@ therefore also gets a table of its own:
 * **test metric**: the final test accuracy (classification) or mAP (detection), in %, mean ± sample standard
   deviation over the configuration's runs (``n``), diverged runs counted apart, as in the paper's tables.
 * **seeds** of those runs; **skipped steps** and **mean underflow** (the mean over layers of the
-  activation-gradient underflow rate at the last iteration, in %): means over the runs.
+  activation-gradient underflow rate at the last iteration, in %): means over the runs that did not
+  diverge (a diverged run stopped early, so its last numbers are not the end of training).
 
 Rows follow Hydra's job numbers. Cost: nothing beyond reading ``metrics.json`` (and ``overrides.yaml``).
 """
@@ -38,7 +39,16 @@ from adaloss.reports.common import (
 )
 from adaloss.reports.runs import Record
 
-__all__ = ["Sweep", "SweepRow", "configuration_labels", "summarize", "sweeps_csv", "sweeps_markdown"]
+__all__ = [
+    "Sweep",
+    "SweepRow",
+    "configuration_labels",
+    "diverged",
+    "group_by_sweep",
+    "summarize",
+    "sweeps_csv",
+    "sweeps_markdown",
+]
 
 #: Override keys that never set a configuration apart (beyond IRRELEVANT_KEYS): where and how jobs run.
 _LAUNCH_KEYS = ("hydra", "cluster", "logger")
@@ -86,8 +96,8 @@ class SweepRow:
     metric: str | None  # "test_accuracy", "map", or None when the runs record neither
     stats: Stats  # of the metric (%), over the runs
     seeds: tuple[Any, ...]
-    skipped_steps: float | None  # mean over the runs
-    mean_underflow: float | None  # mean over the runs of mean_underflow_rate (a fraction)
+    skipped_steps: float | None  # mean over the runs that did not diverge
+    mean_underflow: float | None  # mean over those runs of mean_underflow_rate (a fraction)
     sources: tuple[str, ...]
 
 
@@ -111,19 +121,22 @@ def _mean(values: Iterable[float | None]) -> float | None:
     return statistics.fmean(finite) if finite else None
 
 
+def diverged(record: Record) -> bool:
+    """Whether the run diverged (``trainer.on_divergence=record``): it did not train to the end."""
+    return record.data.get("diverged") is True
+
+
 def _row(label: str, records: Sequence[Record]) -> SweepRow:
     metric = _metric(records[0].data)
-    values = [
-        None if r.data.get("diverged") is True or metric is None else number(r.data.get(metric))
-        for r in records
-    ]
+    values = [None if diverged(r) or metric is None else number(r.data.get(metric)) for r in records]
+    finished = [r for r in records if not diverged(r)]
     return SweepRow(
         label=label,
         metric=metric,
         stats=Stats.of_values(values),
         seeds=tuple(r.config.get("seed") for r in records),
-        skipped_steps=_mean(number(r.data.get("skipped_steps")) for r in records),
-        mean_underflow=_mean(number(r.data.get("mean_underflow_rate")) for r in records),
+        skipped_steps=_mean(number(r.data.get("skipped_steps")) for r in finished),
+        mean_underflow=_mean(number(r.data.get("mean_underflow_rate")) for r in finished),
         sources=tuple(r.source for r in records),
     )
 
@@ -169,8 +182,8 @@ def sweeps_markdown(sweeps: Sequence[Sweep]) -> str:
         "",
         "A table per sweep (the runs of one folder), a row per configuration: what sets it apart from the "
         "other runs of the sweep, its final test metric as mean ± sample standard deviation over its runs "
-        "(n), their seeds, and the means over its runs of the skipped steps and of the mean activation-"
-        "gradient underflow over layers at the last iteration. — = not recorded.",
+        "(n), their seeds, and the means over its runs that did not diverge of the skipped steps and of the "
+        "mean activation-gradient underflow over layers at the last iteration. — = not recorded.",
     ]
     if not sweeps:
         lines += ["", "(no finished runs)"]
