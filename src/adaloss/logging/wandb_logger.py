@@ -310,7 +310,9 @@ class WandbLogger:
         the loss as in the figures, ``layer``, ``underflow_rate``, ``loss_scale`` and the optional columns),
         ``underflow/heatmap`` (:func:`underflow_heatmap` of all telemetry steps so far), ``underflow/mean``,
         ``underflow/max``, ``underflow/layers_above_1pct`` and, with ``per_layer_series``, one scalar per
-        layer and quantity. Cost: one small table and one small PNG (a few kB, a few ms) per telemetry step.
+        layer and quantity. Cost: one small table and one small PNG per telemetry step; with 110 layers and
+        400 earlier telemetry steps, about 5% of one ResNet-20 training step (batch 128, emulated FP16, one
+        CPU thread), so about 0.05% of training at ``telemetry.every=100``.
         """
         rates = record.get("underflow_rate") or {}
         if self._run is None or not rates:
@@ -445,8 +447,8 @@ def underflow_heatmap(
     telemetry steps left to right (at most ``max_width`` columns: a longer history keeps an evenly spread
     selection, the first and last included). Colour is ``log10(rate)`` on viridis from ``1e-6`` or less
     (dark purple, zero included) to 1 (yellow); grey marks a step that did not record the layer. A bar at the
-    right edge shows the colour scale, 1 at the top. Drawn with numpy alone (no figure, no fonts): a few
-    milliseconds even for ResNet-110's 110 layers over hundreds of telemetry steps.
+    right edge shows the colour scale, 1 at the top. Drawn with numpy alone (no figure, no fonts), so it costs
+    a small part of what a matplotlib figure would (see :meth:`WandbLogger.log_telemetry`).
     """
     import numpy as np
     from matplotlib import colormaps
