@@ -40,10 +40,10 @@ bench: setup ## step-time ratios (emulated FP16 / FP32, scalers / none, telemetr
 	$(PY) scripts/bench.py
 
 RUNS ?= results/sweeps
-tables: setup ## the paper's Tables 1-5 from finished runs under RUNS (default results/sweeps) -> results/tables
+tables: setup ## the paper's tables that have runs, and a summary of every sweep under RUNS (default results/sweeps) -> results/tables
 	$(PY) scripts/make_tables.py $(RUNS) --out results/tables
 
-figures: setup ## Figures 1a/1b/4a/4b from finished runs under RUNS -> results/figures
+figures: setup ## Figures 1a/1b/4a/4b, and underflow and loss-scale figures of every sweep under RUNS -> results/figures
 	$(PY) scripts/make_figures.py $(RUNS) --out results/figures
 
 reproduce-mini: setup ## every experiment in reduced form on bundled data, then all tables and figures (~30 min)

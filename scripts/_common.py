@@ -21,6 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "src") not in sys.path:
     sys.path.insert(0, str(ROOT / "src"))
 
+from adaloss.provenance import cpu_name as cpu_model  # noqa: E402  (the CPU's marketing name)
+from adaloss.reports.common import markdown_table  # noqa: E402, F401  (the scripts' tables)
+
 #: The ``model`` config groups the scripts know by name (same fields as ``configs/model/*.yaml``).
 MODEL_CFGS: dict[str, dict[str, Any]] = {
     "resnet20": {"name": "resnet20", "depth": 20},
@@ -45,18 +48,6 @@ def model_cfg(name: str):
     if name not in MODEL_CFGS:
         raise SystemExit(f"error: unknown model '{name}': choose from {', '.join(MODEL_CFGS)}")
     return OmegaConf.create(MODEL_CFGS[name])
-
-
-def cpu_model() -> str:
-    """The CPU's marketing name from ``/proc/cpuinfo`` (Linux), else ``platform.processor()``."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown CPU"
 
 
 def machine_info() -> dict[str, Any]:
@@ -85,25 +76,6 @@ def header_line(info: dict[str, Any]) -> str:
         f"Machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']}, {info['threads']} threads"
         f"{load_txt}; {info['date']}"
     )
-
-
-def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], left: int = 1) -> str:
-    """A GitHub Markdown table; cells are ``str()``-ed, the first ``left`` columns left-aligned, the rest
-    (numbers) right-aligned."""
-    cells = [[str(c) for c in row] for row in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
-    out = ["| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)) + " |"]
-    out.append(
-        "|"
-        + "|".join((":" + "-" * (w + 1)) if i < left else ("-" * (w + 1) + ":") for i, w in enumerate(widths))
-        + "|"
-    )
-    for r in cells:
-        padded = [
-            c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))
-        ]
-        out.append("| " + " | ".join(padded) + " |")
-    return "\n".join(out)
 
 
 def quantile(values: Sequence[float], q: float) -> float:

@@ -22,14 +22,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import _common as C  # noqa: E402
-import make_figures as mf  # noqa: E402
+import _common as C  # noqa: E402  (puts src/ on the path)
+from adaloss.reports import figures as mf  # noqa: E402
+from adaloss.reports.common import ReportError, fmt_num  # noqa: E402
 
 
 def method_of(run: mf.RunInfo) -> str:
     """``none``, ``fixed128``, ``dynamic``, ``adaptive`` (the ``variant`` names)."""
     if run.scaler == "fixed" and run.scale is not None:
-        return f"fixed{mf._fmt_num(run.scale)}"
+        return f"fixed{fmt_num(run.scale)}"
     return run.scaler
 
 
@@ -60,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         runs, _ = mf.read_runs(args.folders)
-    except mf.FiguresError as error:
+    except ReportError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]

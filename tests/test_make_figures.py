@@ -1,6 +1,7 @@
-"""``scripts/make_figures.py`` on synthetic run folders (``metrics.json``, ``telemetry.jsonl``).
+"""``adaloss.reports.figures`` (``scripts/make_figures.py``) on synthetic run folders (``metrics.json``,
+``telemetry.jsonl``).
 
-The data each figure plots is checked through the script's extraction functions (``fig1a_data`` ...), the
+The data each figure plots is checked through the module's extraction functions (``fig1a_data`` ...), the
 PNGs by their signature and size, the run selection on mixes of paper-setting and mini-reproduction runs, and
 the exit status and messages when runs are missing. The last test runs a real (tiny) sweep of the figure
 experiments through ``train.py`` so the script is held to what the trainer writes.
@@ -8,7 +9,6 @@ experiments through ``train.py`` so the script is held to what the trainer write
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import struct
@@ -19,9 +19,7 @@ from typing import Any
 
 import pytest
 
-from conftest import ROOT
-
-SCRIPTS = ROOT / "scripts"
+from adaloss.reports import figures as mf
 
 #: SSD512's GEMM layers as the trainer names them (network order).
 SSD_LAYERS = [
@@ -47,19 +45,6 @@ RESNET18_LAYERS = [
     ),
     "fc",
 ]
-
-
-def _load_script():
-    if str(SCRIPTS) not in sys.path:
-        sys.path.insert(0, str(SCRIPTS))
-    spec = importlib.util.spec_from_file_location("_adaloss_script_make_figures", SCRIPTS / "make_figures.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
-mf = _load_script()
 
 
 # ---- synthetic runs ----------------------------------------------------------------------------------------
@@ -243,15 +228,36 @@ def test_no_runs_at_all_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert "error: no such folder" in capsys.readouterr().err
 
 
-def test_runs_that_make_no_figure_are_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_runs_without_telemetry_make_no_figure_and_that_is_an_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    write_run(tmp_path / "a", _config("resnet20", "cifar10", "fp16", "fixed", 128), None)
+    assert mf.main([str(tmp_path), "--out", str(tmp_path / "out"), "--all"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "error: no figure could be made from the 1 finished runs" in err and "(0 with telemetry.jsonl" in err
+    )
+    for figure in mf.FIGURES:
+        assert f"{figure} skipped: " in err  # --all: a line for each paper figure
+
+
+def test_a_plain_fixed_scale_run_gets_sweep_figures_not_an_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     write_run(
         tmp_path / "a", _config("resnet20", "cifar10", "fp16", "fixed", 128), underflow_rows(["conv1"], 0.1)
     )
-    assert mf.main([str(tmp_path), "--out", str(tmp_path / "out")]) == 2
+    out = tmp_path / "out"
+    assert mf.main([str(tmp_path), "--out", str(out)]) == 0
     err = capsys.readouterr().err
-    assert "error: no figure could be made from the 1 finished runs" in err
-    for figure in mf.FIGURES:
-        assert f"{figure} skipped: " in err
+    assert " skipped: " not in err  # no paper figure could be made: one line says so, not four
+    assert "paper figures not made (fig1a, fig1b, fig4a, fig4b)" in err
+    index = json.loads((out / "figures.json").read_text())
+    assert sorted(index["sweep_figures"]) == [
+        f"sweeps/{tmp_path.name}_loss_scale.png",
+        f"sweeps/{tmp_path.name}_underflow.png",
+    ]
+    assert index["figures"] == {}
 
 
 def test_a_missing_run_skips_its_figure_with_one_line(
@@ -543,8 +549,15 @@ def test_wandb_logs_each_png_offline(
     out = tmp_path / "out"
     assert mf.main([str(tmp_path / "results"), "--out", str(out), "--wandb"]) == 0
     assert calls["init"]["mode"] == "offline" and calls["init"]["project"] == "adaloss-test"
-    assert sorted(calls["logged"]) == sorted(mf.FIGURES)
-    assert sorted(calls["images"]) == sorted(str(out / f"{f}.png") for f in mf.FIGURES)
+    index = json.loads((out / "figures.json").read_text())
+    sweep_pngs = sorted(
+        index["sweep_figures"]
+    )  # fig1, fig4, fig4a: an underflow and a loss-scale figure each
+    assert len(sweep_pngs) == 6
+    assert sorted(calls["logged"]) == sorted([*mf.FIGURES, *(f"sweep/{Path(p).stem}" for p in sweep_pngs)])
+    assert sorted(calls["images"]) == sorted(
+        [*(str(out / f"{f}.png") for f in mf.FIGURES), *(str(out / p) for p in sweep_pngs)]
+    )
     assert calls["finished"]
     # a W&B failure is a warning; the figures stand
     monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=None, Image=image))

@@ -1,10 +1,11 @@
-"""``scripts/make_tables.py``: a golden-file test on a committed sample of runs, and the rules it applies.
+"""``adaloss.reports.tables`` (``scripts/make_tables.py``): a golden-file test on a committed sample of
+runs, and the rules it applies.
 
 The sample (``tests/data/tables/runs/``, written once by ``tests/data/tables/make_sample_runs.py``) is a few
 dozen ``metrics.json`` records laid out as Hydra sweeps; ``tests/data/tables/expected/`` is the script's
 output on it, read and checked by hand. A deliberate change to the output regenerates it with
 
-    .venv/bin/python scripts/make_tables.py tests/data/tables/runs --out tests/data/tables/expected
+    .venv/bin/python scripts/make_tables.py tests/data/tables/runs --out tests/data/tables/expected --all
 
 and the diff is reviewed like code. The last test runs a real (tiny) sweep of an experiment config through
 ``train.py`` and reads it back, so the script is held to what the trainer actually writes.
@@ -12,7 +13,6 @@ and the diff is reviewed like code. The last test runs a real (tiny) sweep of an
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -24,23 +24,10 @@ from typing import Any
 
 import pytest
 
+from adaloss.reports import tables as mt
 from conftest import ROOT, TINY
 
-SCRIPTS = ROOT / "scripts"
 DATA = ROOT / "tests" / "data" / "tables"
-
-
-def _load_script():
-    if str(SCRIPTS) not in sys.path:
-        sys.path.insert(0, str(SCRIPTS))
-    spec = importlib.util.spec_from_file_location("_adaloss_script_make_tables", SCRIPTS / "make_tables.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
-mt = _load_script()
 
 
 # ---- building records --------------------------------------------------------------------------------------
@@ -106,7 +93,7 @@ def _cells(table, key) -> dict[str, str]:
 def test_output_on_the_committed_sample_matches_the_golden_files(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    tables = mt.main([str(DATA / "runs"), "--out", str(tmp_path)])
+    tables = mt.main([str(DATA / "runs"), "--out", str(tmp_path), "--all"])
     out, err = capsys.readouterr()
     expected = DATA / "expected"
     names = sorted(p.name for p in expected.iterdir())
@@ -296,6 +283,29 @@ def test_a_repeated_configuration_and_seed_counts_once_the_latest_wins(tmp_path:
     ]
 
 
+def test_by_default_only_tables_and_rows_with_runs_are_shown(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for seed, value in enumerate((92.0, 91.0)):
+        _write_run(tmp_path / "sweep" / f"{seed}_seed={seed}", _record(value, scale=16, seed=seed))
+    out = tmp_path / "out"
+    shown = mt.main([str(tmp_path / "sweep"), "--out", str(out)])
+    assert [t.spec.name for t in shown] == ["table1_cifar", "table4_fixed_scales"]  # fixed 16 is in both
+    assert all([key for key, _ in t.rows] == [("cifar10", "resnet20")] for t in shown)
+    stdout = capsys.readouterr().out
+    assert "Table 2" not in stdout and "ResNet-56" not in stdout and "CIFAR-100" not in stdout
+    assert "91.50 ± 0.71 (n=2, S=16) · paper 92.24" in stdout
+    assert sorted(p.name for p in out.iterdir()) == [
+        "sweeps.csv",
+        "sweeps.md",
+        "table1_cifar.csv",
+        "table1_cifar.md",
+        "table4_fixed_scales.csv",
+        "table4_fixed_scales.md",
+        "tables.md",
+    ]
+
+
 def test_command_line_errors_exit_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     for argv, message in (
         ([], "error: give at least one results folder"),
@@ -354,7 +364,7 @@ def test_wandb_without_a_network_is_one_clear_error(monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(Api=unreachable))
     with pytest.raises(
-        mt.TablesError, match=r"could not read the W&B runs of 'me/adaloss' \(ConnectionError"
+        mt.ReportError, match=r"could not read the W&B runs of 'me/adaloss' \(ConnectionError"
     ):
         mt.read_wandb("me/adaloss")
 

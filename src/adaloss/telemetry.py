@@ -12,9 +12,10 @@ Optionally (``expected_loss_scale=True``) each layer's *expected loss scale* is 
 gradient, i.e. the scale that would lift all but the smallest ``quantile`` share of them to 1 (the paper's
 Figure 1b uses ``quantile = 0.01``).
 
-Telemetry is sampled on the first iteration and then every ``every`` iterations, so its cost (one extra
-comparison pass per probed gradient and one host sync per telemetry step) is negligible in long runs while
-short runs still report it.
+Telemetry is sampled on the first iteration, every ``every`` iterations and on the last iteration, so its
+cost (one extra comparison pass per probed gradient and one host sync per telemetry step) is negligible in
+long runs while short runs still report it, and the final numbers describe the end of training (a 200-step
+run with ``every=100`` samples iterations 0, 100 and 199, not 0 and 100 only).
 """
 
 from __future__ import annotations
@@ -33,14 +34,16 @@ class UnderflowMonitor:
 
         monitor = UnderflowMonitor(every=100, fmt="fp16")
         for step, (x, y) in enumerate(loader):
-            with precision.autocast(monitor=monitor if monitor.due(step) else None):
+            due = monitor.due(step, steps=len(loader))
+            with precision.autocast(monitor=monitor if due else None):
                 loss = criterion(model(x), y)
             scaler.scale(loss).backward()
-            if monitor.due(step):
+            if due:
                 rates = monitor.underflow_rates()   # {layer: rate}; one host sync
 
     Args:
-        every (int, optional, default=100): sample the first iteration and every ``every`` after it.
+        every (int, optional, default=100): sample the first iteration and every ``every`` after it (and the
+            last one, see :meth:`due`).
         fmt (str or FloatFormat, optional, default="fp16"): the format whose underflow is counted (for an
             FP32 run this is the format the gradients *would* lose values in).
         expected_loss_scale (bool, optional, default=False): also record each layer's expected loss scale
@@ -72,9 +75,11 @@ class UnderflowMonitor:
         self.last_rates: dict[str, float] = {}
         self.last_expected_loss_scale: dict[str, float] = {}
 
-    def due(self, step: int) -> bool:
-        """Whether iteration ``step`` (0-based) is a telemetry step. No host sync."""
-        return step % self.every == 0
+    def due(self, step: int, steps: int | None = None) -> bool:
+        """Whether iteration ``step`` (0-based) is a telemetry step: the first, every ``every``-th and, when
+        the run's length ``steps`` is given, the last (``steps - 1``), so the last sample describes the end
+        of training. No host sync."""
+        return step % self.every == 0 or (steps is not None and step == steps - 1)
 
     def probe(self, name: str) -> Probe:
         """The probe that counts the gradient of layer ``name`` this step (created on first use)."""

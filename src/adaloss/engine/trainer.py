@@ -70,6 +70,7 @@ from adaloss.engine.tasks import Evaluation, build_task
 from adaloss.errors import ConfigError
 from adaloss.logging import NullLogger, ProgressBar, build_logger, write_json_atomic
 from adaloss.precision import Precision
+from adaloss.provenance import collect_provenance
 from adaloss.scalers import LossScaler, build_scaler
 from adaloss.telemetry import UnderflowMonitor
 from adaloss.utils import resolved_config, schedule_length, seed_everything, select_device, validate_config
@@ -105,9 +106,10 @@ def train(cfg: DictConfig, callbacks: Sequence[StepCallback] = ()) -> dict[str, 
     Returns a dict with the task's test metric (classification: ``test_accuracy`` and
     ``best_test_accuracy``, top-1 %; detection: ``map`` and ``best_map``, VOC07 mAP %, and
     ``ap_per_class``), ``diverged``, ``steps``, ``skipped_steps``, ``overflow_count``, ``loss_scale`` (a
-    float, or ``{layer: alpha}``), ``underflow_rate`` (``{layer: rate}`` of the last telemetry step),
-    ``mean_underflow_rate``, ``wall_time_s``, ``images_per_s`` (global), ``world_size`` (processes) and
-    ``config`` (the resolved config).
+    float, or ``{layer: alpha}``), ``underflow_rate`` (``{layer: rate}`` at the last iteration, which is
+    always a telemetry step), ``mean_underflow_rate``, ``wall_time_s``, ``images_per_s`` (global),
+    ``world_size`` (processes), ``provenance`` (:func:`adaloss.provenance.collect_provenance`: commit,
+    versions, device, TF32) and ``config`` (the resolved config).
 
     Under ``torchrun`` (the module docstring) every rank calls this and gets the same metrics; only rank 0
     writes. The process group is joined here and destroyed on return or error, unless it existed before or
@@ -193,6 +195,7 @@ def _train(
     # layers the precision then names for telemetry)
     precision = Precision.from_config(cfg.precision, device, telemetry_format=str(cfg.telemetry.format))
     precision.apply_tf32()  # FP32 stays FP32 on Ampere+ GPUs unless precision.allow_tf32=true
+    provenance = collect_provenance(device, precision)  # code, packages, hardware: for metrics.json
     # The scaler guards the gradients, so it needs the gradient format (fp8_e5m2 differs from the
     # weight/activation format); None for an fp32 run.
     scaler = build_scaler(cfg.scaler, precision.grad_format)
@@ -276,7 +279,7 @@ def _train(
                 batch = task.to_device(next(batches))
 
                 # forward + loss in the training format; a telemetry step also counts underflow
-                telemetry_step = monitor.due(step)
+                telemetry_step = monitor.due(step, steps)  # also the last iteration
                 with precision.autocast(monitor=monitor if telemetry_step else None):
                     loss, outputs = task.loss(model, batch)
                 # backward through the loss scale; step unless a gradient is Inf/NaN
@@ -315,20 +318,9 @@ def _train(
                 if telemetry_step:
                     # note: one host sync; under DDP also one all-reduce (the mean over the ranks)
                     progress.rates = rates = ranks.mean_rates(monitor.underflow_rates())
-                    scaler_metrics = _scaler_metrics(scaler)
-                    logger.log(
-                        {
-                            **{f"underflow/{layer}": r for layer, r in rates.items()},
-                            "underflow/mean": UnderflowMonitor.mean_rate(rates),
-                            **{
-                                f"expected_loss_scale/{k}": v
-                                for k, v in monitor.last_expected_loss_scale.items()
-                            },
-                            **scaler_metrics,
-                        },
-                        step=done,
-                    )
-                    history.append(done, rates, scaler, monitor.last_expected_loss_scale)
+                    record = history.append(done, rates, scaler, monitor.last_expected_loss_scale)
+                    logger.log_telemetry(record, step=done)  # per-layer table and heatmap, summary scalars
+                    logger.log(_scaler_metrics(scaler), step=done)
 
                 if done % log_every == 0 or done == steps:
                     progress.train_loss, progress.train_accuracy, images = window.read(
@@ -360,11 +352,12 @@ def _train(
                     )
                     test_value = progress.test_value = progress.evaluation.value
                     best_value = progress.best_value = max(progress.best_value, test_value)
+                    ap = progress.evaluation.get("ap_per_class") or {}  # detection: AP of each class
                     logger.log(
-                        {f"test/{task.log_name}": test_value, f"test/best_{task.log_name}": best_value},
+                        {f"test/{task.log_name}": test_value, f"test/best_{task.log_name}": best_value,
+                         **{f"test_ap/{name}": v for name, v in ap.items() if v is not None}},
                         step=done,
-                    )
-                    logger.log_underflow(progress.rates, step=done)
+                    )  # fmt: skip
                     log.info(
                         "iteration %d/%d: test %s %.2f%% (best %.2f%%), skipped steps %d",
                         done, steps, task.log_name, test_value, best_value, scaler.skipped_steps,
@@ -402,6 +395,7 @@ def _train(
         "wall_time_s": time.perf_counter() - started,
         "images_per_s": done * int(cfg.trainer.batch_size) / max(progress.train_time, 1e-9),
         "world_size": ranks.world,
+        "provenance": provenance,
         "config": config,
     }
     if os.environ.get(DEBUG_RANK_FILES_ENV) == "1":  # test hook, see DEBUG_RANK_FILES_ENV
@@ -531,9 +525,8 @@ class _TelemetryLog:
 
     def append(
         self, step: int, rates: dict[str, float], scaler: LossScaler, expected: dict[str, float]
-    ) -> None:
-        if not self.enabled:
-            return
+    ) -> dict[str, Any]:
+        """Write the telemetry step's line (rank 0 only) and return it (W&B logs the same record)."""
         record: dict[str, Any] = {
             "step": step,
             "underflow_rate": rates,
@@ -544,9 +537,12 @@ class _TelemetryLog:
             record["loss_scale_beta"] = layer_betas()
         if expected:
             record["expected_loss_scale"] = expected
+        if not self.enabled:
+            return record
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a", encoding="utf-8") as handle:
             handle.write(json.dumps(record, allow_nan=True) + "\n")
+        return record
 
     def truncate(self, after: int) -> None:
         """Drop the lines of steps after ``after`` (and any unreadable line): what an interrupted run logged
@@ -568,16 +564,15 @@ class _TelemetryLog:
 
 
 def _scaler_metrics(scaler: LossScaler, scale: float | dict[str, float] | None = None) -> dict[str, float]:
-    """Loss scale (``loss_scale`` or ``loss_scale/<layer>``, ``loss_scale_beta/<layer>``) and counters."""
+    """Loss scale (``loss_scale``; a layer-wise scaler's range as ``loss_scale/min`` and ``/max``: its
+    per-layer values go to the telemetry record) and counters."""
     if scale is None:
         scale = scaler.loss_scale_metric()
     if isinstance(scale, dict):
-        out = {f"loss_scale/{layer}": float(a) for layer, a in scale.items()}
+        values = [float(a) for a in scale.values()] or [math.nan]
+        out = {"loss_scale/min": min(values), "loss_scale/max": max(values)}
     else:
         out = {"loss_scale": float(scale)}
-    layer_betas = getattr(scaler, "layer_betas", None)
-    if callable(layer_betas):
-        out.update({f"loss_scale_beta/{layer}": float(b) for layer, b in layer_betas().items()})
     out["skipped_steps"] = scaler.skipped_steps
     out["overflow_count"] = scaler.overflow_count
     return out

@@ -4,7 +4,7 @@ The second command regenerates the expected output of ``tests/test_make_tables.p
 committing it: it is what the golden-file test holds the script to.
 
     .venv/bin/python tests/data/tables/make_sample_runs.py
-    .venv/bin/python scripts/make_tables.py tests/data/tables/runs --out tests/data/tables/expected
+    .venv/bin/python scripts/make_tables.py tests/data/tables/runs --out tests/data/tables/expected --all
 
 The records look like the trainer's ``metrics.json`` (same keys; classification configs composed from the
 real ``configs/`` with ``hydra.compose``, detection configs written out here) with invented but realistic

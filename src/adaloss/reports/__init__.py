@@ -1,0 +1,12 @@
+"""Reports from finished runs: the paper's tables and figures, and a summary and figures of any sweep.
+
+* :mod:`adaloss.reports.runs`: reading run folders (``metrics.json``, ``.hydra/``, ``telemetry.jsonl``) and
+  W&B projects.
+* :mod:`adaloss.reports.tables`: the paper's Tables 1-5 (``scripts/make_tables.py``, ``make tables``).
+* :mod:`adaloss.reports.sweeps`: a table per sweep, whatever it ran.
+* :mod:`adaloss.reports.figures`: the paper's Figures 1 and 4 and per-layer underflow and loss-scale
+  figures of any sweep with telemetry (``scripts/make_figures.py``, ``make figures``).
+
+The scripts are thin wrappers around :func:`adaloss.reports.tables.main` and
+:func:`adaloss.reports.figures.main`.
+"""
