@@ -103,9 +103,9 @@ def collect_provenance(device: Any, precision: Any = None) -> dict[str, Any]:
     Args:
         device (torch.device): the training device.
         precision (adaloss.precision.Precision, optional): the run's precision; gives ``precision`` (its
-            name), ``precision_mode`` (``autocast``: real FP16/BF16 kernels, CUDA or the CPU; ``emulated``: FP32
-            compute rounded to the format, the CPU path; ``native``: FP32) and ``emulated`` (True when the
-            low-precision format was emulated: what "FP16" means for a CPU run).
+            name), ``precision_mode`` (``autocast``: real FP16/BF16 kernels, CUDA's or the CPU's;
+            ``emulated``: FP32 compute rounded to the format, the CPU's default; ``native``: FP32) and
+            ``emulated`` (True when the low-precision format was emulated: what "FP16" means for a CPU run).
 
     Returns a dict of plain JSON values: ``git_commit``, ``git_dirty``, ``git_note``, ``python``, ``torch``,
     ``torchvision``, ``adaloss`` (versions; ``None`` if not installed), ``cuda`` (torch's CUDA version or
