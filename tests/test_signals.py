@@ -240,3 +240,53 @@ def test_a_second_ctrl_c_stops_at_once_with_one_line(tmp_path: Path) -> None:
     assert len(lines) == 1 and f"hydra.run.dir={run_dir}" in lines[0], out[-3000:]
     assert not list((run_dir / "checkpoints").glob("*.tmp")) if (run_dir / "checkpoints").exists() else True
     assert not (run_dir / ".lock").exists()  # released on the way out
+
+
+def _submitit_job(sweep: Path) -> int | None:
+    """The PID of the process submitit's local executor runs the sweep's job in, if it runs yet."""
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"submitit.core._submit" in cmdline and any(str(sweep).encode() in arg for arg in cmdline):
+            return int(proc.name)
+    return None
+
+
+@pytest.mark.slow
+def test_submitit_requeues_a_job_stopped_by_its_preemption_signal(tmp_path: Path) -> None:
+    """The submitit path end to end (its local executor stands in for SLURM): SIGUSR2 to the job, our
+    checkpoint, then submitit's handler requeues it, and the requeued job resumes and finishes bitwise as an
+    uninterrupted run."""
+    overrides = [*(o for o in CLI_RUN if not o.startswith("trainer.max_steps")), "trainer.max_steps=2000",
+                 "resume=auto"]  # fmt: skip
+    reference_dir, sweep = tmp_path / "reference", tmp_path / "sweep"
+    reference = _cli(reference_dir, *overrides)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launcher = subprocess.Popen(
+        [sys.executable, "train.py", "-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=20",
+         f"hydra.sweep.dir={sweep}", *overrides],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 240
+    job = None
+    while time.monotonic() < deadline and launcher.poll() is None:
+        job = _submitit_job(sweep)
+        runs = list(sweep.glob("0_*"))
+        if job is not None and runs and _rows(runs[0]) >= 10:
+            break
+        time.sleep(0.05)
+    assert job is not None and launcher.poll() is None, "the job ended before the signal"
+    os.kill(job, signal.SIGUSR2)
+    out, _ = launcher.communicate(timeout=600)
+    assert launcher.returncode == 0, out[-3000:]
+    (run_dir,) = sweep.glob("0_*")
+    logs = "".join(p.read_text() for p in (sweep / ".submitit").rglob("*_log.*"))
+    assert "SIGUSR2 received: stopped after iteration" in logs, logs[-3000:]
+    assert "passing the signal on" in logs and "Traceback" not in logs, logs[-3000:]
+    assert "Requeued job" in logs and "resuming from" in logs, logs[-3000:]
+    out, _ = reference.communicate(timeout=300)
+    assert reference.returncode == 0, out[-3000:]
+    assert _same_weights(reference_dir / "model.pt", run_dir / "model.pt")
+    assert (run_dir / "scalars.csv").read_text() == (reference_dir / "scalars.csv").read_text()

@@ -3,8 +3,9 @@
 The loop reads top to bottom (the step shape of ``docs/architecture.md``): forward and loss under the
 precision context, backward through the loss scaler, optional unscale + clip, step, update, and the lr
 schedule only after an applied update. Host-device syncs per iteration: one in ``scaler.step`` (the Inf/NaN
-flag); plus one on logging steps (loss and accuracy), one on telemetry steps (underflow counts) and one per
-evaluation.
+flag); plus one on logging steps (loss and accuracy, and the iterations' losses for ``scalars.csv``), one on
+telemetry steps (underflow counts), one per evaluation, and for the adaptive scaler one on the steps that
+recompute its per-layer scales (``scalars.csv`` records their range every iteration).
 
 Checkpoints (``trainer.checkpoint_every``) and ``resume=`` are described in :mod:`adaloss.engine.checkpoint`:
 a resumed run continues bitwise as the uninterrupted run would have (on the CPU, with ``num_workers=0``).
@@ -118,9 +119,20 @@ def train(cfg: DictConfig, callbacks: Sequence[StepCallback] = ()) -> dict[str, 
     writes. The process group is joined here and destroyed on return or error, unless it existed before or
     this is a job of a Hydra sweep (``-m``), whose jobs share it until the process exits.
 
+    The run folder holds one run (:mod:`adaloss.engine.run_folder`): ``train`` takes its lock first and
+    writes nothing there (``run_key.json``, Hydra's ``.hydra/``, trimmed logs) until every check passed.
+    SIGTERM, SIGINT, SIGUSR2 and SIGHUP stop the run after the current iteration with a checkpoint
+    (:mod:`adaloss.engine.signals`). Every ``trainer.log_every`` iterations a line is logged and
+    ``scalars.csv`` gets the iterations' rows (:mod:`adaloss.logging.run_log`).
+
     Raises:
         ConfigError: for any invalid setting or missing data, an unknown ``faults.inject`` layer, a
-            ``resume=<file>`` that cannot be read or a checkpoint of a different run, before training starts.
+            ``resume=<file>`` that cannot be read or a checkpoint of a different run (or layer shapes), a
+            run folder another live process holds or another run's record fills, before training starts.
+        RunInterrupted: a signal stopped the run; its checkpoint is written and the message says how to
+            resume.
+        RunFolderError: a write into the run folder failed (disk full, read-only, folder deleted); the
+            message says which checkpoints are intact and how to continue.
         TrainingDiverged: when the loss is not finite or ``trainer.max_consecutive_overflows`` steps in a
             row were skipped, unless ``trainer.on_divergence=record``, which instead ends the run there and
             records it with ``diverged: true`` and a null test metric (what the paper's tables print as
