@@ -372,12 +372,14 @@ def _value(value: Any) -> str:
 
 def _in_folder(folder: Path) -> str:
     """How to resume from what ``folder`` holds: a run folder, a checkpoints folder, or neither."""
-    run = folder if (folder / "checkpoints").is_dir() else folder.parent
+    run_marks = ("checkpoints", "run_key.json", "metrics.json", ".hydra")
+    is_run = any((folder / mark).exists() for mark in run_marks)
+    if not is_run and folder.name != "checkpoints":
+        return "point resume= at a checkpoint file (<run dir>/checkpoints/step_<N>.pt) or use resume=auto"
+    run = folder if is_run else folder.parent
     newest = CheckpointManager(run).checkpoints()
-    if (folder / "checkpoints").is_dir() or folder.name == "checkpoints":
-        pick = f"resume={newest[-1][1]}, or " if newest else ""
-        return f"use {pick}resume=auto hydra.run.dir={run} to continue that run from its newest checkpoint"
-    return "point resume= at a checkpoint file (<run dir>/checkpoints/step_<N>.pt) or use resume=auto"
+    pick = f"resume={newest[-1][1]}, or " if newest else ""
+    return f"use {pick}resume=auto hydra.run.dir={run} to continue that run from its newest checkpoint"
 
 
 # ------------------------------------------------------------------------------ plain-data conversion
