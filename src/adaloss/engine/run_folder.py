@@ -191,8 +191,6 @@ class RunLock:
         return self._fd is not None
 
     def acquire(self) -> LockHolder | None:
-        import fcntl
-
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
         except OSError as error:
@@ -203,7 +201,7 @@ class RunLock:
             except OSError as error:
                 raise self._unwritable(error) from None
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                _flock(fd)
             except BlockingIOError:
                 holder = LockHolder.parse(_read_fd(fd))
                 os.close(fd)
@@ -254,6 +252,16 @@ class RunLock:
         return ConfigError(
             f"cannot write to the run folder {self.folder}: {describe_os_error(error, self.folder)}"
         )
+
+
+def _flock(fd: int) -> None:
+    """An exclusive, non-blocking ``flock`` on ``fd`` (``BlockingIOError`` if another holds it); without
+    the ``fcntl`` module an ``OSError`` that makes :class:`RunLock` fall back to the PID check."""
+    try:
+        import fcntl
+    except ImportError:
+        raise OSError(errno.ENOSYS, "no fcntl.flock on this platform") from None
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
 def _read_fd(fd: int) -> str:
