@@ -337,7 +337,8 @@ CHECKPOINTS_DELETED = _SECOND_SAVE_FAILS.format(  # the folder of the file being
 )
 
 #: ``(folder state, overrides, exit status, expected substrings)``. States: ``finished`` (a copy of the
-#: finished run, which must come out unchanged), ``locked`` (the same, held by this test process),
+#: finished run, which must come out unchanged; ``-without-checkpoints``: its checkpoints/ removed),
+#: ``locked`` (the same, held by this test process),
 #: ``read-only`` (the same on a read-only file system, or without write permission), ``disk-full`` and
 #: ``checkpoints-deleted`` (a new run whose second checkpoint meets the fault). ``{pid}``: this process.
 FOLDER_CASES: list = [
@@ -354,6 +355,13 @@ FOLDER_CASES: list = [
         2,
         ["belongs to a different run (seed=0; this run has seed=5)", "resume with seed=0"],
         id="resume-with-another-seed",
+    ),
+    pytest.param(  # the start logs "no checkpoint ... starting a fresh run" before it is refused
+        "finished-without-checkpoints",
+        [*FINISHED_RUN, "resume=auto", "seed=5"],
+        2,
+        ["run folder", "belongs to a different run (seed=0; this run has seed=5)"],
+        id="resume-with-another-seed-and-no-checkpoint",
     ),
     pytest.param(
         "finished",
@@ -552,8 +560,11 @@ def test_run_folder_faults_are_one_error_line(
 ) -> None:
     run = tmp_path / "run"
     args, prelude, lock = [*_with_tiny(overrides), f"hydra.run.dir={run}"], "", None
-    if state in ("finished", "locked", "read-only"):
+    unchanged = state.startswith("finished") or state in ("locked", "read-only")
+    if unchanged:
         shutil.copytree(finished_run, run)
+    if state == "finished-without-checkpoints":
+        shutil.rmtree(run / "checkpoints")
     before = _snapshot(run) if run.exists() else {}
     with contextlib.ExitStack() as stack:
         wrap: list[str] = []
@@ -569,9 +580,9 @@ def test_run_folder_faults_are_one_error_line(
         line = _one_error_line(proc, status)
         for text in expected:
             assert text.replace("{pid}", str(os.getpid())) in line, (text, line)
-        if state in ("finished", "locked", "read-only"):  # refused before writing a byte
+        if unchanged:  # refused before writing a byte (train.log too: the lines it logged are cut off)
             assert _snapshot(run) == before
-    assert not (run / "metrics.json").exists() or state in ("finished", "locked", "read-only")
+    assert not (run / "metrics.json").exists() or unchanged
     if state == "disk-full":  # the checkpoint before the fault is intact, and nothing half-written is left
         assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2.pt"]
         assert load_checkpoint(run / "checkpoints" / "step_2.pt")["step"] == 2
