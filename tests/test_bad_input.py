@@ -511,6 +511,19 @@ def test_bad_value_fails_before_training(
     assert not list(tmp_path.rglob("metrics.json"))
 
 
+@pytest.mark.parametrize(("value", "written"), [("no", False), ("yes", True), ("off", False), ("On", True)])
+def test_yaml_spellings_of_booleans_mean_what_yaml_reads(
+    value: str, written: bool, tmp_path: Path, single_thread: None
+) -> None:
+    """``trainer.save_final=no`` arrives from Hydra's command line as the string "no" (bool("no") is True);
+    a config file's ``save_final: no`` is False: both mean False."""
+    cfg = compose_train([*TINY, f"trainer.save_final={value}"])
+    cfg.paths.output_dir = str(tmp_path)
+    metrics = train(cfg)
+    assert (tmp_path / "model.pt").exists() == written
+    assert metrics["config"]["trainer"]["save_final"] is written  # recorded as a real boolean
+
+
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run = tmp_path_factory.mktemp("finished") / "run"
