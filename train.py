@@ -7,9 +7,15 @@ happens in ``train(cfg)``.
 Bad input prints one line, ``error: <what is wrong>: <how to fix it>``, on stderr and exits with status 2,
 without a traceback and without writing ``metrics.json``. That covers the command line Hydra itself rejects
 (an unknown group option such as ``model=resnet21``, an unknown key, a malformed override) as well as the
-values ``train`` rejects (a ``ConfigError``: an invalid number, missing data, an impossible pairing). A run
-that fails that way before training also removes the run folder Hydra made for it, if that folder holds
-nothing but Hydra's own files (``.hydra/`` and the log). ``HYDRA_FULL_ERROR=1`` keeps Hydra's full report.
+values ``train`` rejects (a ``ConfigError``: an invalid number, missing data, an impossible pairing, a run
+folder another run holds or another run's record fills). A run that fails that way before training also
+removes the run folder Hydra made for it, if that folder holds nothing but Hydra's own files (``.hydra/``
+and the log). ``HYDRA_FULL_ERROR=1`` keeps Hydra's full report.
+
+Other endings, each one line and no traceback: a run stopped by a signal (SIGTERM, SIGINT, SIGUSR2, SIGHUP)
+logs where it saved and how to resume, and exits with ``128 + the signal number``; a write into the run
+folder that fails (disk full, read-only, folder deleted) prints ``error:`` and exits with status 1, as a
+diverged run does; a second Ctrl-C stops at once (status 130).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import difflib
 import os
 import re
 import shutil
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,6 +41,7 @@ os.environ.setdefault("ADALOSS_ROOT", str(ROOT))
 BAD_INPUT = 2
 _FULL_ERROR = "HYDRA_FULL_ERROR"
 _capture = False  # set by cli(): Hydra's composition errors are raised to it rather than printed
+_started = False  # set by main(): Hydra has made the run folder and configured logging
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
@@ -42,9 +50,13 @@ def main(cfg: DictConfig) -> float:
     diverged), for Hydra sweepers that optimize it."""
     # Composition succeeded (a sweep composes all its jobs before it runs the first): from here on Hydra
     # reports the job's own failures in its usual way.
+    global _started
+    _started = True
     _hydra_reports_errors(True)
     from adaloss.engine import train  # imported here so `--help` and `--cfg` stay fast
     from adaloss.engine.faults import TrainingDiverged
+    from adaloss.engine.run_folder import RunFolderError
+    from adaloss.engine.signals import RunInterrupted
     from adaloss.errors import ConfigError
 
     try:
@@ -52,9 +64,14 @@ def main(cfg: DictConfig) -> float:
     except ConfigError as error:
         _remove_untouched_run_folder(cfg)
         _fail(str(error))
-    except TrainingDiverged as error:  # not bad input: the run started; its checkpoints stay
+    except (TrainingDiverged, RunFolderError) as error:  # not bad input: the run started; checkpoints stay
         print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(1)
+    except RunInterrupted as stopped:  # the line saying how to resume is logged already
+        sys.exit(stopped.exit_status)
+    except KeyboardInterrupt:  # a second Ctrl-C: stopped at once (train() has released the folder)
+        print(_interrupted(), file=sys.stderr, flush=True)
+        sys.exit(128 + signal.SIGINT)
     metric = "map" if "map" in metrics else "test_accuracy"
     return float(metrics[metric]) if metrics[metric] is not None else float("nan")
 
@@ -81,10 +98,20 @@ def cli() -> None:
         main()
     except (HydraException, OmegaConfBaseException) as error:
         _fail(describe_hydra_error(error))
-    except ValueError as error:  # Hydra's check of its own flags, before it composes anything
+    except ValueError as error:  # Hydra's check of its own flags, or its log file that cannot be opened
+        unwritable = _os_error_in(error)
+        if unwritable is not None:
+            _fail(_cannot_write(unwritable))
         if "can be specified" not in str(error):
             raise
         _fail(f"{error}: keep one of them")
+    except OSError as error:  # Hydra making the run folder: a read-only or full disk
+        if not _started and error.filename is not None:  # Hydra's write before the run, not the run's
+            _fail(_cannot_write(error))
+        raise
+    except KeyboardInterrupt:  # Ctrl-C while Hydra composes, before the run
+        print(_interrupted(), file=sys.stderr, flush=True)
+        sys.exit(128 + signal.SIGINT)
     finally:
         _hydra_reports_errors(True)
         _capture = False
@@ -130,6 +157,43 @@ def _hydra_reports_errors(report: bool) -> None:
         os.environ.pop(_FULL_ERROR, None)
     else:
         os.environ[_FULL_ERROR] = "1"
+
+
+def _interrupted() -> str:
+    """The line for a Ctrl-C that stopped the run at once (before training, or pressed twice)."""
+    how = "run the command again with resume=auto hydra.run.dir=<its folder>"
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        from adaloss.engine.run_folder import resume_command
+
+        if HydraConfig.initialized():  # inside main(): the run's own folder and overrides
+            how = resume_command(Path(HydraConfig.get().runtime.output_dir))
+    except Exception:  # noqa: BLE001 - the generic advice will do
+        pass
+    return (
+        "interrupted: stopped at once, without a checkpoint (one Ctrl-C during training saves one first); "
+        f"to continue from the last checkpoint, if any: {how}"
+    )
+
+
+def _os_error_in(error: BaseException) -> OSError | None:
+    """The ``OSError`` behind ``error`` (``logging.config`` wraps a log file it cannot open), if any."""
+    seen = error.__cause__ or error.__context__
+    while seen is not None:
+        if isinstance(seen, OSError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _cannot_write(error: OSError) -> str:
+    """One line for a run folder Hydra cannot create or write its log into."""
+    from adaloss.engine.run_folder import describe_os_error
+
+    where = Path(str(error.filename)) if error.filename else Path(".")
+    folder = where.parent if where.suffix else where
+    return f"cannot write to the run folder {folder} ({where.name}): {describe_os_error(error, folder)}"
 
 
 def _fail(message: str) -> None:

@@ -1,24 +1,36 @@
 """Bad input: each invalid invocation fails with one ``error:`` line that names the problem and the fix.
 
-Two tables. ``CLI_CASES`` run ``python train.py ...`` as real subprocesses: the errors Hydra raises while
+Three tables. ``CLI_CASES`` run ``python train.py ...`` as real subprocesses: the errors Hydra raises while
 composing (unknown group option or key, malformed override), and a few value errors that reach the run
 folder Hydra made, to check it is removed again. They assert exit status 2, a last stderr line
 ``error: ...`` with the expected text, no traceback, no Hydra hint, no ``metrics.json`` and no run folder
 left under the (temporary) results folder. ``VALUE_CASES`` compose the same config in-process (as
 ``conftest.compose_train`` does) and call ``train(cfg)``, the function ``train.py`` runs, which must raise
 a one-line ``ConfigError`` before training: a subprocess costs seconds of imports, a compose milliseconds.
+``FOLDER_CASES`` run ``python train.py`` against a run folder: one holding a finished run (a fresh start
+into it, a resume with other settings or other layer shapes; the folder must come out byte for byte as it
+was, ``.hydra/`` and ``train.log`` included), one another live process holds, one the run may not write,
+and a disk that fills or a ``checkpoints/`` folder deleted in the middle of a run (simulated in the child
+process by replacing ``torch.save``; the earlier checkpoint must stay intact).
 
 Every row starts from a 2-iteration CPU run (``conftest.TINY``, where the row does not set the key), so a
 check that went missing makes the row fail fast: the run trains, exits 0 and writes ``metrics.json``.
+The README states how many rows there are; ``test_the_readme_counts_the_tables`` keeps the two equal.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+import random
+import re
+import shutil
+import stat
 import subprocess
 import sys
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -26,6 +38,8 @@ import torch
 from omegaconf import open_dict
 
 from adaloss.engine import train
+from adaloss.engine.checkpoint import load_checkpoint
+from adaloss.engine.run_folder import RunLock
 from adaloss.errors import ConfigError
 from conftest import ROOT, TINY, compose_train
 
@@ -243,6 +257,147 @@ VALUE_CASES: list = [
         ["ImageNet train split at", "has no images"],
         id="imagenet-empty-dir",
     ),
+    # booleans take true/false (and YAML's yes/no/on/off), nothing else: bool("maybe") would be True
+    *(
+        pytest.param(
+            [*select, f"{key}={value}"],
+            [f"{key.lstrip('+')} must be true or false, got {shown}", f"e.g. {key.lstrip('+')}=false"],
+            id=f"bool-{key.split('.')[-1]}-{value}",
+        )
+        for select, key, value, shown in [
+            ([], "trainer.save_final", "maybe", "'maybe'"),
+            ([], "trainer.progress_bar", "maybe", "'maybe'"),
+            ([], "optimizer.nesterov", "maybe", "'maybe'"),
+            ([], "telemetry.expected_loss_scale", "maybe", "'maybe'"),
+            (["scaler=adaptive"], "scaler.allow_below_one", "maybe", "'maybe'"),
+            (["scaler=dynamic"], "+scaler.consecutive_hysteresis", "maybe", "'maybe'"),
+            (["model=mlp"], "model.shared_hidden", "maybe", "'maybe'"),
+            (["dataset=digits"], "dataset.augment", "maybe", "'maybe'"),
+            ([], "trainer.save_final", "1", "1"),
+        ]
+    ),
+    # numbers are finite where inf or nan mean nothing
+    pytest.param(["optimizer.lr=inf"], ["optimizer.lr must be a finite number, got inf"], id="lr-inf"),
+    pytest.param(["optimizer.lr=nan"], ["optimizer.lr must be a finite number, got nan"], id="lr-nan"),
+    pytest.param(
+        ["optimizer.weight_decay=inf"], ["optimizer.weight_decay must be a finite number"], id="wd-inf"
+    ),
+    pytest.param(["optimizer.momentum=nan"], ["optimizer.momentum must be a finite number"], id="mom-nan"),
+    pytest.param(["schedule.gamma=inf"], ["schedule.gamma must be a finite number"], id="gamma-inf"),
+    pytest.param(
+        ["schedule.warmup_factor=inf"], ["schedule.warmup_factor must be a finite number"], id="warmup-inf"
+    ),
+    pytest.param(["trainer.grad_clip=inf"], ["trainer.grad_clip must be a finite number"], id="clip-inf"),
+    pytest.param(
+        ["model=mlp", "model.hidden=[256,inf]"],
+        ["model.hidden entries must be a positive integer, got inf", "e.g. model.hidden=[256,256]"],
+        id="hidden-inf",
+    ),
+    pytest.param(
+        ["dataset=cifar10", "dataset.std=[nan,0.2,0.2]"],
+        ["dataset.std entries must be a finite number, got nan"],
+        id="std-nan",
+    ),
+    pytest.param(
+        ["scaler=adaptive", "+scaler.u_min=nan"], ["scaler.u_min must be a finite number"], id="u_min-nan"
+    ),
+    # resume= pointing at something that is not a checkpoint, said as it is
+    pytest.param(
+        ["resume={tmp}/random.pt"],
+        ["random.pt: the file cannot be read: it is corrupt or not a checkpoint"],
+        id="resume-random-bytes",
+    ),
+    pytest.param(
+        ["resume={tmp}/empty"], ["resume=", "empty is a directory, not a checkpoint file"], id="resume-dir"
+    ),
+]
+
+#: The run the folder rows start from: 3 iterations, a checkpoint at 2, finished (metrics.json), made
+#: through the command line once per module, so it has Hydra's .hydra/ and train.log as a user's run does.
+FINISHED_RUN = ("model=mlp", "trainer.max_steps=3", "trainer.checkpoint_every=2")
+#: A run that writes checkpoints at 2 and 4 of 6 iterations: the faults hit the second one.
+TWO_CHECKPOINTS = ("model=mlp", "trainer.max_steps=6", "trainer.checkpoint_every=2")
+
+#: Child-process preludes: the second torch.save (the checkpoint of iteration 4) meets a fault.
+_SECOND_SAVE_FAILS = """
+import errno, os, shutil, torch
+_save, _calls = torch.save, []
+def _faulty_save(obj, handle, *args, **kwargs):
+    _calls.append(1)
+    if len(_calls) == 2:
+        {fault}
+    return _save(obj, handle, *args, **kwargs)
+torch.save = _faulty_save
+"""
+DISK_FULL = _SECOND_SAVE_FAILS.format(
+    fault="handle.write(bytes(4096)); raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))"
+)
+CHECKPOINTS_DELETED = _SECOND_SAVE_FAILS.format(  # the folder of the file being written, removed meanwhile
+    fault="shutil.rmtree(os.path.dirname(os.readlink(f'/proc/self/fd/{handle.fileno()}')))"
+)
+
+#: ``(folder state, overrides, exit status, expected substrings)``. States: ``finished`` (a copy of the
+#: finished run, which must come out unchanged; ``-without-checkpoints``: its checkpoints/ removed),
+#: ``locked`` (the same, held by this test process),
+#: ``read-only`` (the same on a read-only file system, or without write permission), ``disk-full`` and
+#: ``checkpoints-deleted`` (a new run whose second checkpoint meets the fault). ``{pid}``: this process.
+FOLDER_CASES: list = [
+    pytest.param(
+        "finished",
+        [*FINISHED_RUN],
+        2,
+        ["already holds a run (metrics.json", "continue that run with resume=auto", "hydra.run.dir=<new"],
+        id="fresh-start-into-a-finished-run",
+    ),
+    pytest.param(
+        "finished",
+        [*FINISHED_RUN, "resume=auto", "seed=5"],
+        2,
+        ["belongs to a different run (seed=0; this run has seed=5)", "resume with seed=0"],
+        id="resume-with-another-seed",
+    ),
+    pytest.param(  # the start logs "no checkpoint ... starting a fresh run" before it is refused
+        "finished-without-checkpoints",
+        [*FINISHED_RUN, "resume=auto", "seed=5"],
+        2,
+        ["run folder", "belongs to a different run (seed=0; this run has seed=5)"],
+        id="resume-with-another-seed-and-no-checkpoint",
+    ),
+    pytest.param(
+        "finished",
+        [*FINISHED_RUN, "resume=auto", "model.hidden=[128,128]"],
+        2,
+        ["holds a model of other layer shapes", "resume with model.hidden=[256,256]"],
+        id="resume-with-other-layer-shapes",
+    ),
+    pytest.param(
+        "locked",
+        [*FINISHED_RUN, "resume=auto"],
+        2,
+        ["is in use by another live run (PID {pid} on", "hydra.run.dir=<new folder>"],
+        id="folder-held-by-a-live-run",
+    ),
+    pytest.param(
+        "read-only",
+        [*FINISHED_RUN, "resume=auto"],
+        2,
+        ["cannot write to the run folder", "make", "writable, or run in another folder"],
+        id="read-only-run-folder",
+    ),
+    pytest.param(
+        "disk-full",
+        [*TWO_CHECKPOINTS],
+        1,
+        ["cannot write the checkpoint", "step_4.pt: the disk is full", "intact (step_2.pt)", "resume=auto"],
+        id="disk-full",
+    ),
+    pytest.param(
+        "checkpoints-deleted",
+        [*TWO_CHECKPOINTS],
+        1,
+        ["step_4.pt: its folder disappeared", "no checkpoint to continue from", "resume=auto"],
+        id="checkpoints-folder-deleted-during-a-save",
+    ),
 ]
 
 # ------------------------------------------------------------------------------------------- helpers
@@ -263,6 +418,7 @@ def _with_tiny(overrides: Sequence[str]) -> list[str]:
 def _fill(overrides: Sequence[str], tmp: Path) -> list[str]:
     (tmp / "empty").mkdir(exist_ok=True)
     (tmp / "garbage.pt").write_bytes(b"not a checkpoint, just bytes")
+    (tmp / "random.pt").write_bytes(random.Random(0).randbytes(4096))
     for split in ("train", "val"):
         (tmp / "empty_imagenet" / "imagenet" / split).mkdir(parents=True, exist_ok=True)
     return [o.replace("{tmp}", str(tmp)) for o in overrides]
@@ -285,25 +441,41 @@ def _load_cli():
     return module
 
 
-def _run_cli(args: Sequence[str], **env: str) -> subprocess.CompletedProcess[str]:
+def _run_cli(
+    args: Sequence[str], prelude: str = "", wrap: Sequence[str] = (), **env: str
+) -> subprocess.CompletedProcess[str]:
+    """``python train.py <args>``; ``prelude``: Python run first in the child (a simulated fault);
+    ``wrap``: a command prefix (a read-only mount)."""
     environ = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     environ.update({"OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", **env})
+    command = [sys.executable, "train.py", *args]
+    if prelude:
+        start = "import runpy, sys\nsys.argv[0] = 'train.py'\nrunpy.run_path('train.py', run_name='__main__')"
+        command = [sys.executable, "-c", f"{prelude}\n{start}", *args]
     return subprocess.run(
-        [sys.executable, "train.py", *args],
-        cwd=ROOT,
-        env=environ,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
+        [*wrap, *command], cwd=ROOT, env=environ, capture_output=True, text=True, timeout=TIMEOUT_S
     )
+
+
+def _one_error_line(proc: subprocess.CompletedProcess[str], status: int) -> str:
+    """The single ``error:`` line of a failed run (status ``status``, no traceback)."""
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == status, (proc.returncode, proc.stderr[-2000:])
+    assert lines and lines[-1].startswith("error: "), proc.stderr[-2000:]
+    assert [line for line in lines if line.startswith("error:")] == [lines[-1]]
+    assert "Traceback" not in proc.stderr + proc.stdout and "HYDRA_FULL_ERROR" not in proc.stderr
+    return lines[-1]
 
 
 # --------------------------------------------------------------------------------------------- tests
 
 
-def test_the_tables_cover_the_issue() -> None:
-    assert len(CLI_CASES) + len(VALUE_CASES) >= 20
-    assert len(CLI_CASES) >= 8
+def test_the_readme_counts_the_tables() -> None:
+    """The README's count of bad-input cases is the number of rows here, not a number typed once."""
+    stated = re.search(r"`tests/test_bad_input.py` holds (\d+) such cases", (ROOT / "README.md").read_text())
+    assert stated, "README.md no longer states how many bad-input cases tests/test_bad_input.py holds"
+    assert int(stated.group(1)) == len(CLI_CASES) + len(VALUE_CASES) + len(FOLDER_CASES)
+    assert len(CLI_CASES) >= 8 and len(FOLDER_CASES) >= 7
 
 
 @pytest.mark.parametrize(("overrides", "expected", "made_run_folder"), CLI_CASES)
@@ -312,14 +484,9 @@ def test_cli_reports_bad_input_in_one_line(
 ) -> None:
     results = tmp_path / "results"
     args = [*_with_tiny(_fill(overrides, tmp_path)), f"paths.results_dir={results}"]
-    proc = _run_cli(args)
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
-    assert lines and lines[-1].startswith("error: "), proc.stderr[-2000:]
-    assert [line for line in lines if line.startswith("error:")] == [lines[-1]]
+    line = _one_error_line(_run_cli(args), 2)
     for text in expected:
-        assert text in lines[-1], (text, lines[-1])
-    assert "Traceback" not in proc.stderr and "HYDRA_FULL_ERROR" not in proc.stderr
+        assert text in line, (text, line)
     assert not list(results.rglob("metrics.json"))
     # Hydra's own errors come before it makes any folder; train()'s after it made results/runs/<name>/<time>/
     assert (results / "runs").is_dir() == made_run_folder
@@ -342,6 +509,96 @@ def test_bad_value_fails_before_training(
     for text in expected:
         assert text in message, (text, message)
     assert not list(tmp_path.rglob("metrics.json"))
+
+
+@pytest.mark.parametrize(("value", "written"), [("no", False), ("yes", True), ("off", False), ("On", True)])
+def test_yaml_spellings_of_booleans_mean_what_yaml_reads(
+    value: str, written: bool, tmp_path: Path, single_thread: None
+) -> None:
+    """``trainer.save_final=no`` arrives from Hydra's command line as the string "no" (bool("no") is True);
+    a config file's ``save_final: no`` is False: both mean False."""
+    cfg = compose_train([*TINY, f"trainer.save_final={value}"])
+    cfg.paths.output_dir = str(tmp_path)
+    metrics = train(cfg)
+    assert (tmp_path / "model.pt").exists() == written
+    assert metrics["config"]["trainer"]["save_final"] is written  # recorded as a real boolean
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("finished") / "run"
+    proc = _run_cli([*_with_tiny(FINISHED_RUN), f"hydra.run.dir={run}"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (run / "metrics.json").is_file() and (run / ".hydra" / "config.yaml").is_file()
+    return run
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@contextlib.contextmanager
+def _read_only(folder: Path) -> Iterator[list[str]]:
+    """A command prefix under which ``folder`` cannot be written: for root (whom permissions do not stop),
+    a read-only bind mount in a private mount namespace of the child; for other users, no write bits."""
+    if os.geteuid() != 0:
+        modes = {p: p.stat().st_mode for p in [folder, *folder.rglob("*")]}
+        for path in modes:
+            path.chmod(stat.S_IMODE(modes[path]) & ~0o222)
+        try:
+            yield []
+        finally:
+            for path, mode in modes.items():
+                path.chmod(stat.S_IMODE(mode))
+        return
+    unshare = shutil.which("unshare")
+    probe = tempfile.mkdtemp()
+    script = 'mount --bind "$0" "$0" && mount -o remount,ro,bind "$0" "$0" && exec "$@"'
+    works = (
+        unshare
+        and subprocess.run(
+            [unshare, "--mount", "sh", "-c", script, probe, "true"], capture_output=True
+        ).returncode
+        == 0
+    )
+    os.rmdir(probe)
+    if not works:
+        pytest.skip("running as root, and no private read-only mount is possible here (unshare --mount)")
+    yield [unshare, "--mount", "sh", "-c", script, str(folder)]
+
+
+@pytest.mark.parametrize(("state", "overrides", "status", "expected"), FOLDER_CASES)
+def test_run_folder_faults_are_one_error_line(
+    state: str, overrides: list[str], status: int, expected: list[str], finished_run: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    args, prelude, lock = [*_with_tiny(overrides), f"hydra.run.dir={run}"], "", None
+    unchanged = state.startswith("finished") or state in ("locked", "read-only")
+    if unchanged:
+        shutil.copytree(finished_run, run)
+    if state == "finished-without-checkpoints":
+        shutil.rmtree(run / "checkpoints")
+    before = _snapshot(run) if run.exists() else {}
+    with contextlib.ExitStack() as stack:
+        wrap: list[str] = []
+        if state == "locked":
+            lock = RunLock(run)
+            lock.acquire()
+            stack.callback(lock.release)
+            before = _snapshot(run)  # with the lock file this process holds
+        elif state == "read-only":
+            wrap = stack.enter_context(_read_only(run))
+        prelude = {"disk-full": DISK_FULL, "checkpoints-deleted": CHECKPOINTS_DELETED}.get(state, "")
+        proc = _run_cli(args, prelude=prelude, wrap=wrap)
+        line = _one_error_line(proc, status)
+        for text in expected:
+            assert text.replace("{pid}", str(os.getpid())) in line, (text, line)
+        if unchanged:  # refused before writing a byte (train.log too: the lines it logged are cut off)
+            assert _snapshot(run) == before
+    assert not (run / "metrics.json").exists() or unchanged
+    if state == "disk-full":  # the checkpoint before the fault is intact, and nothing half-written is left
+        assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2.pt"]
+        assert load_checkpoint(run / "checkpoints" / "step_2.pt")["step"] == 2
 
 
 def test_valid_invocations_are_unchanged(tmp_path: Path) -> None:

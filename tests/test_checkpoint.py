@@ -1,12 +1,15 @@
-"""Checkpoints and resume: atomic writes, rotation, safe loading, clear errors, and a run killed with SIGKILL
-and resumed ending bitwise where the uninterrupted run ends."""
+"""Checkpoints and resume: atomic writes, rotation, safe loading, clear errors (a corrupt file, a directory,
+another model's layer shapes, a full disk, a folder deleted during a save), and a run killed with SIGKILL and
+resumed ending bitwise where the uninterrupted run ends."""
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +27,7 @@ from adaloss.data.loaders import BatchStream, make_loader
 from adaloss.engine import checkpoint as ckpt
 from adaloss.engine import train
 from adaloss.engine.checkpoint import CheckpointError, CheckpointManager, load_checkpoint
+from adaloss.engine.run_folder import RunFolderError
 from adaloss.errors import ConfigError
 from adaloss.utils.seed import capture_rng_state, restore_rng_state
 from conftest import QUIET, compose_train
@@ -102,11 +106,13 @@ def test_a_crash_mid_write_leaves_the_old_checkpoint_intact(
 
     def dies_half_way(obj: object, handle) -> None:  # what a crash mid-write leaves: part of the bytes
         handle.write(before[: len(before) // 2])
-        raise OSError("No space left on device")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(ckpt.torch, "save", dies_half_way)
-    with pytest.raises(OSError, match="No space"):
+    with pytest.raises(RunFolderError) as info:
         manager.save(_minimal_state(2), 2)
+    message = str(info.value)
+    assert "step_2.pt" in message and "the disk is full" in message and "\n" not in message
     assert _steps(manager.folder) == ["step_1.pt"]  # no partial file under a final name, no temporary
     assert (manager.folder / "step_1.pt").read_bytes() == before
     monkeypatch.undo()
@@ -135,19 +141,52 @@ def test_loading_refuses_pickled_objects_without_running_them(tmp_path: Path) ->
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("content", [None, b"", b"not a checkpoint", "truncated"])
-def test_resume_from_a_bad_file_is_a_config_error(tmp_path: Path, content: bytes | str | None) -> None:
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        (None, "does not exist"),
+        (b"", "corrupt or not a checkpoint"),
+        (b"not a checkpoint", "corrupt or not a checkpoint"),
+        ("random", "corrupt or not a checkpoint"),
+        ("truncated", "corrupt"),
+        ("bytes-in-the-middle", "corrupt"),
+    ],
+)
+def test_resume_from_a_bad_file_is_a_config_error(
+    tmp_path: Path, content: bytes | str | None, says: str
+) -> None:
     path = tmp_path / "step_7.pt"
-    if content == "truncated":
-        ckpt.save_atomic(_minimal_state(7), path)
-        path.write_bytes(path.read_bytes()[:200])
+    if content in ("truncated", "bytes-in-the-middle"):
+        ckpt.save_atomic(_minimal_state(7) | {"model": {"w": torch.arange(2000.0)}}, path)
+        data = bytearray(path.read_bytes())
+        if content == "truncated":
+            data = data[:200]
+        else:  # random bytes over the pickled part and the start of the tensor data, the zip index intact
+            data[100:900] = random.Random(0).randbytes(800)
+        path.write_bytes(bytes(data))
+    elif content == "random":
+        path.write_bytes(random.Random(1).randbytes(4096))
     elif content is not None:
         path.write_bytes(content)
     with pytest.raises(ConfigError) as info:
         CheckpointManager(tmp_path / "run").resume_point(str(path), {})
     message = str(info.value)
     assert message.startswith(f"resume={path}: the file") and "resume=auto" in message
+    assert says in message and "Python objects" not in message  # not mistaken for a refused pickle
     assert "\n" not in message
+
+
+def test_resume_from_a_directory_says_it_is_one(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    CheckpointManager(run, every=1).save(_minimal_state(3), 3)
+    for folder in (run, run / "checkpoints", tmp_path):
+        with pytest.raises(ConfigError) as info:
+            CheckpointManager(tmp_path / "other").resume_point(str(folder), {})
+        message = str(info.value)
+        assert f"resume={folder} is a directory, not a checkpoint file" in message, message
+        assert "does not exist" not in message and "\n" not in message
+        if folder != tmp_path:  # a run folder or its checkpoints: the command that continues it
+            assert f"resume=auto hydra.run.dir={run}" in message and "step_3.pt" in message
 
 
 # ----------------------------------------------------------------------------------- through train()
@@ -282,13 +321,53 @@ def test_a_checkpoint_of_a_different_config_is_a_config_error(
     assert "\n" not in message
 
 
-def test_resume_auto_without_checkpoints_starts_fresh_and_fresh_runs_set_old_ones_aside(
+def test_resume_auto_without_checkpoints_starts_fresh_and_a_fresh_start_never_mixes_two_runs(
     make_cfg: Callable[..., DictConfig], tmp_path: Path
 ) -> None:
     assert train(make_cfg("trainer.max_steps=3", "trainer.checkpoint_every=2", "resume=auto"))["steps"] == 3
     assert _steps(tmp_path / "checkpoints") == ["step_2.pt"]
-    train(make_cfg("trainer.max_steps=3", "trainer.checkpoint_every=2"))  # resume=null: a new history
-    assert _steps(tmp_path / "checkpoints") == ["step_2.pt", "step_2.pt.stale"]
+    record = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    with pytest.raises(ConfigError) as info:  # resume=null into the finished run's folder
+        train(make_cfg("trainer.max_steps=3", "trainer.checkpoint_every=2"))
+    message = str(info.value)
+    assert f"run folder {tmp_path} already holds a run" in message and "metrics.json" in message
+    assert "resume=auto" in message and "hydra.run.dir=<new folder>" in message and "\n" not in message
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == record  # not a byte changed
+
+
+def test_a_resume_with_other_layer_shapes_is_one_error_line(
+    make_cfg: Callable[..., DictConfig], tmp_path: Path
+) -> None:
+    train(make_cfg("model=mlp", "trainer.max_steps=3", "trainer.checkpoint_every=2"))
+    before = (tmp_path / "checkpoints" / "step_2.pt").read_bytes()
+    with pytest.raises(ConfigError) as info:
+        train(make_cfg("model=mlp", "model.hidden=[128,128]", "trainer.max_steps=3", "resume=auto"))
+    message = str(info.value)
+    assert "step_2.pt holds a model of other layer shapes" in message and "\n" not in message
+    assert "[256, 768] in the checkpoint, [128, 768] here" in message  # 3x16x16 inputs
+    assert "resume with model.hidden=[256,256]" in message  # the override that fits, as it is typed
+    assert (tmp_path / "checkpoints" / "step_2.pt").read_bytes() == before
+
+
+def test_a_checkpoints_folder_deleted_during_a_save_is_one_error_line(
+    make_cfg: Callable[..., DictConfig], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_save, saves = torch.save, []
+
+    def deleted_meanwhile(obj: object, handle, *args, **kwargs) -> None:
+        saves.append(obj["step"])
+        if obj["step"] == 4:
+            shutil.rmtree(tmp_path / "checkpoints")  # e.g. a clean-up script, while the file is written
+        real_save(obj, handle, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt.torch, "save", deleted_meanwhile)
+    with pytest.raises(RunFolderError) as info:
+        train(make_cfg(*FAST))
+    message = str(info.value)
+    assert "cannot write the checkpoint" in message and "step_4.pt" in message and "\n" not in message
+    assert "its folder disappeared" in message and "stopped after iteration 4/6" in message
+    assert "no checkpoint to continue from" in message and "resume=auto" in message
+    assert saves == [2, 4] and not (tmp_path / "metrics.json").exists()
 
 
 def test_invalid_settings(make_cfg: Callable[..., DictConfig]) -> None:

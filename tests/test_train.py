@@ -75,9 +75,21 @@ def test_each_model_scaler_precision_trains_full_grid(
     _check_tiny_run(metrics, tmp_path, scaler)
 
 
-def test_skipped_steps_do_not_advance_the_schedule(make_cfg: Callable[..., DictConfig]) -> None:
+def _elsewhere(cfg: DictConfig, folder: Path) -> DictConfig:
+    """``cfg`` with its own run folder (a folder holds one run: a second fresh start there is refused)."""
+    cfg.paths.output_dir = str(folder)
+    return cfg
+
+
+def test_skipped_steps_do_not_advance_the_schedule(
+    make_cfg: Callable[..., DictConfig], tmp_path: Path
+) -> None:
     # 2**40 overflows FP16 on every backward pass: every step is skipped, counted, and the lr stays put.
-    overflowing = train(make_cfg("scaler=fixed", "scaler.scale=1099511627776", "trainer.max_steps=4"))
+    overflowing = train(
+        _elsewhere(
+            make_cfg("scaler=fixed", "scaler.scale=1099511627776", "trainer.max_steps=4"), tmp_path / "a"
+        )
+    )
     assert overflowing["steps"] == 4
     assert overflowing["skipped_steps"] == 4 and overflowing["overflow_count"] == 4
     assert overflowing["lr"] == pytest.approx(0.1)
@@ -87,8 +99,8 @@ def test_skipped_steps_do_not_advance_the_schedule(make_cfg: Callable[..., DictC
     assert clean["lr"] == pytest.approx(0.1 * 0.1 * 0.1)
 
 
-def test_same_seed_same_result(make_cfg: Callable[..., DictConfig]) -> None:
-    first = train(make_cfg("precision=fp32", "seed=7"))
+def test_same_seed_same_result(make_cfg: Callable[..., DictConfig], tmp_path: Path) -> None:
+    first = train(_elsewhere(make_cfg("precision=fp32", "seed=7"), tmp_path / "first"))
     second = train(make_cfg("precision=fp32", "seed=7"))
     assert first["train_loss"] == second["train_loss"]
     assert first["underflow_rate"] == second["underflow_rate"]
@@ -424,7 +436,8 @@ def test_invalid_divergence_settings(make_cfg: Callable[..., DictConfig]) -> Non
 
 
 def _digits_accuracy(make_full_cfg: Callable[..., DictConfig], *overrides: str) -> dict:
-    return train(make_full_cfg("dataset=digits", *overrides))
+    cfg = make_full_cfg("dataset=digits", *overrides)
+    return train(_elsewhere(cfg, Path(cfg.paths.output_dir) / ",".join(overrides)))
 
 
 # The adaptive scaler on MLP_DIGITS with gradients 2^20 times smaller (as above, where no scaling stays at

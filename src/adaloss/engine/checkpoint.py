@@ -17,7 +17,8 @@ checks and reads it.
   from the file.
 * **Resume**: ``resume=auto`` continues from the newest *valid* checkpoint in the run folder (a truncated or
   corrupt one is skipped with a warning naming the file and the reason), or starts fresh if there is none;
-  ``resume=<file>`` continues from that file (a ``ConfigError`` if it is missing or unreadable);
+  ``resume=<file>`` continues from that file (a ``ConfigError`` if it is missing, a directory, unreadable
+  or holds a model of other layer shapes);
   ``resume=null`` starts fresh. Resuming with a different model, dataset, scaler, precision, batch size,
   seed or run length is a ``ConfigError``.
 * **One history per folder**: checkpoints that do not belong to the run being continued (all of them for a
@@ -31,6 +32,7 @@ import logging
 import os
 import pickle
 import re
+import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +52,8 @@ __all__ = [
     "CheckpointError",
     "CheckpointManager",
     "Resume",
+    "check_config_key",
+    "check_model_shapes",
     "config_key",
     "load_checkpoint",
     "object_state",
@@ -85,19 +89,29 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
             data (refused without running them), or is not an adaloss checkpoint of this format.
     """
     path = Path(path)
+    if path.is_dir():
+        raise CheckpointError("is a directory, not a checkpoint file")
     if not path.is_file():
         raise CheckpointError("does not exist")
+    if not zipfile.is_zipfile(path):  # torch.save writes a zip archive; anything else is not a checkpoint
+        raise CheckpointError(
+            "cannot be read: it is corrupt or not a checkpoint (not the zip archive torch.save writes)"
+        )
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
-        if "weights only" in str(error).lower():  # refused before anything in it was run
+        if "unsupported global" in str(error).lower():  # refused before anything in it was run
             raise CheckpointError(
                 "cannot be read (it holds Python objects other than tensors and plain data, which "
                 "torch.load(weights_only=True) refuses to build)"
             ) from None
-        raise CheckpointError(f"cannot be read (UnpicklingError: {_first_sentence(error)})") from None
+        raise CheckpointError(
+            f"cannot be read: it is corrupt (UnpicklingError: {_weights_only_reason(error)})"
+        ) from None
     except Exception as error:  # noqa: BLE001 - any failure means this file cannot be used
-        raise CheckpointError(f"cannot be read ({type(error).__name__}: {_first_sentence(error)})") from None
+        raise CheckpointError(
+            f"cannot be read: it is corrupt or truncated ({type(error).__name__}: {_first_sentence(error)})"
+        ) from None
     if not isinstance(state, dict):
         raise CheckpointError(f"holds a {type(state).__name__}, not an adaloss checkpoint")
     missing = [key for key in REQUIRED_KEYS if key not in state]
@@ -113,6 +127,14 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
 def _first_sentence(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0].split(". ")[0][:200] if text else ""
+
+
+def _weights_only_reason(error: BaseException) -> str:
+    """The unpickler's own complaint inside torch's long weights-only message (e.g. "Unsupported operand
+    155" for bytes that are no pickle at all)."""
+    text = str(error)
+    after = text.split("WeightsUnpickler error:", 1)[-1].strip()
+    return (after.splitlines()[0] if after else _first_sentence(error))[:200]
 
 
 def config_key(cfg: DictConfig, steps: int) -> dict[str, Any]:
@@ -143,16 +165,44 @@ _KEY_SETTINGS = {
 }
 
 
-def check_config_key(saved: Mapping[str, Any], current: Mapping[str, Any], path: Path) -> None:
-    """``ConfigError`` naming every field in which the checkpoint's run differs from this one."""
+def check_config_key(
+    saved: Mapping[str, Any], current: Mapping[str, Any], path: Path | None = None, where: str | None = None
+) -> None:
+    """``ConfigError`` naming every field in which the saved run (checkpoint ``path``, or ``where``)
+    differs from this one."""
     differ = [k for k in current if k in saved and saved[k] != current[k]]
     if not differ:
         return
     theirs = " ".join(f"{_KEY_SETTINGS[k]}={saved[k]}" for k in differ)
     ours = ", ".join(f"{_KEY_SETTINGS[k]}={current[k]}" for k in differ)
     raise ConfigError(
-        f"checkpoint {path} belongs to a different run ({theirs}; this run has {ours}): resume with "
-        f"{theirs}, or start a fresh run in a new folder (resume=null)"
+        f"{where or f'checkpoint {path}'} belongs to a different run ({theirs}; this run has {ours}): "
+        f"resume with {theirs}, or start a fresh run in a new folder (hydra.run.dir=<new folder>)"
+    )
+
+
+def check_model_shapes(state: Mapping[str, Any], model: Any, path: Path, config: Mapping[str, Any]) -> None:
+    """``ConfigError`` if the checkpoint's model weights do not fit ``model`` (another ``model.hidden``,
+    width, ...), naming the first differing tensors and the model settings that differ; ``config`` is this
+    run's resolved config. Cost: one pass over the state dict's shapes, no copy."""
+    saved = state["model"]
+    ours = model.state_dict()
+    missing = [k for k in ours if k not in saved]
+    extra = [k for k in saved if k not in ours]
+    differ = [k for k in ours if k in saved and tuple(saved[k].shape) != tuple(ours[k].shape)]
+    if not (missing or extra or differ):
+        return
+    what = [f"{k}: {list(saved[k].shape)} in the checkpoint, {list(ours[k].shape)} here" for k in differ[:2]]
+    what += [f"{k} only in this model" for k in missing[:1]]
+    what += [f"{k} only in the checkpoint" for k in extra[:1]]
+    theirs = (state.get("config") or {}).get("model") or {}
+    here = config.get("model") or {}
+    differ_in = [k for k in sorted(theirs) if k in here and theirs[k] != here[k]]
+    settings = [f"model.{k}={_value(theirs[k])}" for k in differ_in]
+    fix = f"resume with {' '.join(settings)}" if settings else "resume with the model it was made with"
+    raise ConfigError(
+        f"checkpoint {path} holds a model of other layer shapes ({'; '.join(what)}): {fix}, or start a "
+        "fresh run in a new folder"
     )
 
 
@@ -252,6 +302,10 @@ class CheckpointManager:
                 return None
         else:
             path = Path(str(setting)).expanduser()
+            if path.is_dir():
+                raise ConfigError(
+                    f"resume={setting} is a directory, not a checkpoint file: {_in_folder(path)}"
+                )
             try:
                 resumed = Resume(path, load_checkpoint(path))
             except CheckpointError as error:
@@ -291,12 +345,41 @@ class CheckpointManager:
         return self.every is not None and done % self.every == 0 and done < steps
 
     def save(self, state: dict[str, Any], step: int) -> Path:
-        """Write ``state`` as ``step_<step>.pt`` atomically, then delete the oldest beyond ``keep``."""
-        path = save_atomic(state, self.folder / f"step_{step}.pt")
+        """Write ``state`` as ``step_<step>.pt`` atomically, then delete the oldest beyond ``keep``.
+
+        Raises :class:`~adaloss.engine.run_folder.RunFolderError` (one line) when the write fails: a full
+        disk, a read-only folder, the folder deleted during the save. The earlier checkpoints stay as
+        they were, and no partial file is left."""
+        from adaloss.engine.run_folder import writing
+
+        path = self.folder / f"step_{step}.pt"
+        with writing("checkpoint", path):
+            save_atomic(state, path)
         for _, old in self.checkpoints()[: -self.keep]:
             old.unlink(missing_ok=True)
         log.debug("checkpoint %s written", path)
         return path
+
+
+def _value(value: Any) -> str:
+    """A config value as an override writes it: ``[256,256]``, ``true``, ``null``, ``0.1``."""
+    if isinstance(value, list | tuple):
+        return "[" + ",".join(_value(v) for v in value) + "]"
+    if isinstance(value, bool) or value is None:
+        return {True: "true", False: "false", None: "null"}[value]
+    return str(value)
+
+
+def _in_folder(folder: Path) -> str:
+    """How to resume from what ``folder`` holds: a run folder, a checkpoints folder, or neither."""
+    run_marks = ("checkpoints", "run_key.json", "metrics.json", ".hydra")
+    is_run = any((folder / mark).exists() for mark in run_marks)
+    if not is_run and folder.name != "checkpoints":
+        return "point resume= at a checkpoint file (<run dir>/checkpoints/step_<N>.pt) or use resume=auto"
+    run = folder if is_run else folder.parent
+    newest = CheckpointManager(run).checkpoints()
+    pick = f"resume={newest[-1][1]}, or " if newest else ""
+    return f"use {pick}resume=auto hydra.run.dir={run} to continue that run from its newest checkpoint"
 
 
 # ------------------------------------------------------------------------------ plain-data conversion

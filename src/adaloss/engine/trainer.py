@@ -3,8 +3,9 @@
 The loop reads top to bottom (the step shape of ``docs/architecture.md``): forward and loss under the
 precision context, backward through the loss scaler, optional unscale + clip, step, update, and the lr
 schedule only after an applied update. Host-device syncs per iteration: one in ``scaler.step`` (the Inf/NaN
-flag); plus one on logging steps (loss and accuracy), one on telemetry steps (underflow counts) and one per
-evaluation.
+flag); plus one on logging steps (loss and accuracy, and the iterations' losses for ``scalars.csv``), one on
+telemetry steps (underflow counts), one per evaluation, and for the adaptive scaler one on the steps that
+recompute its per-layer scales (``scalars.csv`` records their range every iteration).
 
 Checkpoints (``trainer.checkpoint_every``) and ``resume=`` are described in :mod:`adaloss.engine.checkpoint`:
 a resumed run continues bitwise as the uninterrupted run would have (on the CPU, with ``num_workers=0``).
@@ -36,6 +37,7 @@ device, DistributedDataParallel over NCCL (CUDA) or gloo (CPU). What a run means
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import math
@@ -58,6 +60,7 @@ from adaloss.distributed import destroy, init_distributed
 from adaloss.engine.checkpoint import (
     FORMAT_VERSION,
     CheckpointManager,
+    check_model_shapes,
     config_key,
     object_state,
     plain,
@@ -66,9 +69,12 @@ from adaloss.engine.checkpoint import (
 )
 from adaloss.engine.faults import DivergenceGuard, GradientFaults, SkippedStepReport, TrainingDiverged
 from adaloss.engine.optim import build_optimizer, build_schedule
+from adaloss.engine.run_folder import RunFolder, RunFolderError, resume_command, writing
+from adaloss.engine.signals import RunInterrupted, StopRequests
 from adaloss.engine.tasks import Evaluation, build_task
 from adaloss.errors import ConfigError
 from adaloss.logging import NullLogger, ProgressBar, build_logger, write_json_atomic
+from adaloss.logging.run_log import ScalarLog, progress_line, run_name_on_log_lines, trim_appended
 from adaloss.precision import Precision
 from adaloss.provenance import collect_provenance
 from adaloss.scalers import LossScaler, build_scaler
@@ -115,9 +121,20 @@ def train(cfg: DictConfig, callbacks: Sequence[StepCallback] = ()) -> dict[str, 
     writes. The process group is joined here and destroyed on return or error, unless it existed before or
     this is a job of a Hydra sweep (``-m``), whose jobs share it until the process exits.
 
+    The run folder holds one run (:mod:`adaloss.engine.run_folder`): ``train`` takes its lock first and
+    writes nothing there (``run_key.json``, Hydra's ``.hydra/``, trimmed logs) until every check passed.
+    SIGTERM, SIGINT, SIGUSR2 and SIGHUP stop the run after the current iteration with a checkpoint
+    (:mod:`adaloss.engine.signals`). Every ``trainer.log_every`` iterations a line is logged and
+    ``scalars.csv`` gets the iterations' rows (:mod:`adaloss.logging.run_log`).
+
     Raises:
         ConfigError: for any invalid setting or missing data, an unknown ``faults.inject`` layer, a
-            ``resume=<file>`` that cannot be read or a checkpoint of a different run, before training starts.
+            ``resume=<file>`` that cannot be read or a checkpoint of a different run (or layer shapes), a
+            run folder another live process holds or another run's record fills, before training starts.
+        RunInterrupted: a signal stopped the run; its checkpoint is written and the message says how to
+            resume.
+        RunFolderError: a write into the run folder failed (disk full, read-only, folder deleted); the
+            message says which checkpoints are intact and how to continue.
         TrainingDiverged: when the loss is not finite or ``trainer.max_consecutive_overflows`` steps in a
             row were skipped, unless ``trainer.on_divergence=record``, which instead ends the run there and
             records it with ``diverged: true`` and a null test metric (what the paper's tables print as
@@ -140,6 +157,8 @@ def train(cfg: DictConfig, callbacks: Sequence[StepCallback] = ()) -> dict[str, 
     adaloss_log = logging.getLogger("adaloss")
     level = adaloss_log.level
     keep_group = False
+    stop = StopRequests().install()  # SIGTERM, SIGINT, SIGUSR2, SIGHUP: stop after the iteration, saved
+    folder: RunFolder | None = None
     try:
         ranks = _Ranks.start(device)  # torchrun's environment: join the process group; else one process
         if ranks.distributed and owns_group and _in_sweep():
@@ -149,10 +168,19 @@ def train(cfg: DictConfig, callbacks: Sequence[StepCallback] = ()) -> dict[str, 
             atexit.register(destroy)
         if not ranks.main:
             adaloss_log.setLevel(max(logging.WARNING, level))  # one voice: rank 0 logs progress
-        metrics = _train(cfg, callbacks, started, run_dir, config, ranks)
+        if ranks.distributed:
+            # the folder rank 0's Hydra chose (an unset hydra.run.dir holds a timestamp, which may differ)
+            run_dir = Path(ranks.broadcast(str(run_dir)))
+        folder = RunFolder(run_dir, enabled=ranks.main)
+        _on_rank0(ranks, folder.lock)  # first: a refused start must not write or log anything
+        with run_name_on_log_lines(_sweep_tag(cfg)):
+            metrics = _train(cfg, callbacks, started, run_dir, config, ranks, folder, stop)
         ranks.barrier()  # nobody leaves while another rank may still talk to it
         return metrics
     finally:
+        if folder is not None:
+            folder.release()
+        stop.restore()
         adaloss_log.setLevel(level)
         if owns_group and not keep_group:
             destroy()
@@ -165,13 +193,12 @@ def _train(
     run_dir: Path,
     config: dict[str, Any],
     ranks: _Ranks,
+    folder: RunFolder,
+    stop: StopRequests,
 ) -> dict[str, Any]:
     device = ranks.device
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # fixed input shapes: let cuDNN pick the fastest kernels
-    if ranks.distributed:
-        # the folder rank 0's Hydra chose (an unset hydra.run.dir holds a timestamp, which may differ)
-        run_dir = Path(ranks.broadcast(str(run_dir)))
     seed_everything(int(cfg.seed))  # the same on every rank: the same initial weights
 
     # ---- data and task (classification or detection: the loss, the batch layout, the test metric)
@@ -236,6 +263,10 @@ def _train(
                 f"the ranks found different checkpoints to resume from (steps {points}); the run folder "
                 f"{run_dir} must be the same folder on every rank, or pass resume=<file>"
             )
+    # one run per folder: a start that is not a resume of the run recorded there is refused
+    _on_rank0(ranks, lambda: folder.check(cfg.get("resume"), key, resumed))
+    if resumed is not None:
+        check_model_shapes(resumed.state, module, resumed.path, config)  # e.g. another model.hidden
     batches = BatchStream(train_loader)  # the training batches, epoch after epoch, from a resumable position
     window = task.new_window()
     progress = _Progress()
@@ -248,13 +279,22 @@ def _train(
         log.info("resuming from %s: iteration %d/%d (epoch %d, batch %d)",
                  resumed.path, start, steps, batches.epoch, batches.batch_index)  # fmt: skip
     ranks.barrier()  # every rank has read its checkpoint before rank 0 renames any
+    # every check passed: from here on the run writes into its folder
+    folder.commit(key, cfg)  # run_key.json and .hydra/
+    history = _TelemetryLog(run_dir / "telemetry.jsonl", enabled=ranks.main)
+    scalars = ScalarLog(run_dir / "scalars.csv", layerwise=_layerwise(scaler), enabled=ranks.main)
     if ranks.main:
-        checkpoints.start(resumed)  # sets aside checkpoints of another history (after all checks passed)
+        checkpoints.start(resumed)  # sets aside checkpoints of another history
+        # the append-only files hold what the interrupted run logged past its checkpoint (everything, for a
+        # fresh start): the run logs those iterations again
+        with writing("trimmed log", run_dir / "telemetry.jsonl"):
+            history.truncate(after=start)
+            scalars.trim(after=start)
 
     log.info(
-        "%s: %s on %s (%d train / %d test), %s, scaler %s; %d iterations of batch %d (schedule %d)%s",
+        "%s: %s on %s (%d train / %d test), %s, scaler %s; %d iterations of batch %d (%s)%s",
         cfg.name, cfg.model.name, info.name, info.train_size, info.test_size, precision,
-        cfg.scaler.name, steps, cfg.trainer.batch_size, full_steps,
+        cfg.scaler.name, steps, cfg.trainer.batch_size, _schedule_note(steps, full_steps),
         f"; {ranks.world} processes ({ranks.backend}), {int(cfg.trainer.batch_size) // ranks.world} "
         "samples each" if ranks.distributed else "",
     )  # fmt: skip
@@ -262,14 +302,22 @@ def _train(
     run_id = resumed.state.get("wandb_run_id") if resumed else None
     logger = build_logger(cfg.logger, run_dir, config, run_id=run_id) if ranks.main else NullLogger()
     report_skipped = SkippedStepReport(logger)
-    history = _TelemetryLog(run_dir / "telemetry.jsonl", enabled=ranks.main)
-    # a resumed run logs again what the interrupted one logged past its checkpoint: drop those lines
-    history.truncate(after=start)
     bar = ProgressBar(steps, desc=str(cfg.name), enabled=bool(cfg.trainer.progress_bar) and ranks.main)
     bar.update(start)
     window_time = 0.0  # seconds in training iterations since the last log, for images/s
     diverged: TrainingDiverged | None = None
-    done = start
+    done = saved = start  # iterations completed; the iteration of the newest checkpoint
+    mean_over_ranks = (lambda t: ranks.sum_(t) / ranks.world) if ranks.distributed else None
+
+    def save(step: int) -> int:
+        """Write the checkpoint of iteration ``step`` (every rank calls this: it gathers their states)."""
+        with writing("scalars", scalars.path):
+            scalars.flush(mean_over_ranks)  # the rows up to the checkpoint are on disk before it is
+        progress.elapsed_s = time.perf_counter() - started
+        state = parts.state_dict(step, config, logger.run_id)  # every rank: gathers RNG states
+        if ranks.main:
+            checkpoints.save(state, step)
+        return step
 
     model.train()
     try:
@@ -305,6 +353,11 @@ def _train(
                     diverged = error
                     log.warning("%s; recording the run as diverged (trainer.on_divergence=record)", error)
                     break
+                # this iteration's numbers, kept on the device until the next flush (no host sync)
+                scalars.add(
+                    done, loss, optimizer.param_groups[0]["lr"], scaler.loss_scale_metric(),
+                    scaler.last_step_skipped, scaler.skipped_steps, scaler.overflow_count,
+                )  # fmt: skip
                 if not scaler.last_step_skipped:
                     scheduler.step()  # the schedule counts applied updates only
                 optimizer.zero_grad(set_to_none=True)
@@ -318,7 +371,8 @@ def _train(
                 if telemetry_step:
                     # note: one host sync; under DDP also one all-reduce (the mean over the ranks)
                     progress.rates = rates = ranks.mean_rates(monitor.underflow_rates())
-                    record = history.append(done, rates, scaler, monitor.last_expected_loss_scale)
+                    with writing("telemetry", history.path):
+                        record = history.append(done, rates, scaler, monitor.last_expected_loss_scale)
                     logger.log_telemetry(record, step=done)  # per-layer table and heatmap, summary scalars
                     logger.log(_scaler_metrics(scaler), step=done)
 
@@ -344,6 +398,12 @@ def _train(
                         step=done,
                     )
                     bar.show(progress.train_loss, progress.train_accuracy, scale, images_per_s)
+                    log.info(progress_line(
+                        done, steps, progress.train_loss, progress.train_accuracy,
+                        optimizer.param_groups[0]["lr"], scale, scaler.skipped_steps, images_per_s,
+                    ))  # fmt: skip
+                    with writing("scalars", scalars.path):
+                        scalars.flush(mean_over_ranks)  # note: one host sync (and one all-reduce)
 
                 if done % eval_every == 0 or done == steps:
                     # rank 0 evaluates the unwrapped module (no collectives inside) and tells the others
@@ -364,12 +424,26 @@ def _train(
                     )  # fmt: skip
 
                 if checkpoints.due(done, steps):  # after the evaluation, so the best metric includes it
-                    progress.elapsed_s = time.perf_counter() - started
-                    state = parts.state_dict(done, config, logger.run_id)  # every rank: gathers RNG states
-                    if ranks.main:
-                        checkpoints.save(state, done)
+                    saved = save(done)
                 bar.update()
+
+                # a signal (SIGTERM, SIGINT, SIGUSR2, SIGHUP): stop here, saved, unless the run is done.
+                # Under DDP the ranks agree on logging steps (one tiny all-reduce where they sync anyway).
+                if ranks.distributed:
+                    requested = done % log_every == 0 and ranks.any_(bool(stop.pending))
+                else:
+                    requested = bool(stop.pending)
+                if requested and done < steps:
+                    if saved != done:
+                        saved = save(done)
+                    _stopped_by_signal(stop, done, steps, checkpoints, run_dir)  # raises, or training goes on
+    except RunFolderError as error:  # a write into the run folder failed: one line, with what is left
+        logger.finish(exit_code=1)
+        raise RunFolderError(f"{error}; {_what_is_left(done, steps, checkpoints, run_dir)}") from error
     except BaseException:
+        if not ranks.distributed:  # the curve up to the failure (e.g. a diverging loss); no collective here
+            with contextlib.suppress(Exception):
+                scalars.flush()
         logger.finish(exit_code=1)
         raise
     finally:
@@ -401,12 +475,19 @@ def _train(
     if os.environ.get(DEBUG_RANK_FILES_ENV) == "1":  # test hook, see DEBUG_RANK_FILES_ENV
         debug = {"loss_scale": metrics["loss_scale"], "skipped_steps": scaler.skipped_steps}
         save_atomic({**debug, "model": module.state_dict()}, run_dir / f"debug_rank{ranks.rank}.pt")
-    if not ranks.main:
-        return metrics  # the same numbers as rank 0's; rank 0 writes them
-    if save_final:
-        save_atomic(module.state_dict(), run_dir / "model.pt")  # torch.load(..., weights_only=True) reads it
-    logger.finish()  # W&B files are complete before metrics.json marks the run finished
-    write_json_atomic(run_dir / "metrics.json", metrics)
+    try:
+        with writing("scalars", scalars.path):
+            scalars.flush(mean_over_ranks)
+        if not ranks.main:
+            return metrics  # the same numbers as rank 0's; rank 0 writes them
+        if save_final:
+            with writing("final weights", run_dir / "model.pt"):  # read with torch.load(weights_only=True)
+                save_atomic(module.state_dict(), run_dir / "model.pt")
+        logger.finish()  # W&B files are complete before metrics.json marks the run finished
+        with writing("metrics", run_dir / "metrics.json"):
+            write_json_atomic(run_dir / "metrics.json", metrics)
+    except RunFolderError as error:
+        raise RunFolderError(f"{error}; {_what_is_left(done, steps, checkpoints, run_dir)}") from error
     if diverged:
         log.info("run diverged at iteration %d; recorded in %s", diverged.step, run_dir / "metrics.json")
     else:
@@ -546,21 +627,96 @@ class _TelemetryLog:
 
     def truncate(self, after: int) -> None:
         """Drop the lines of steps after ``after`` (and any unreadable line): what an interrupted run logged
-        past the checkpoint a resumed run continues from, which the resumed run logs again. A no-op for
-        ``after=0`` (a fresh run keeps appending, as before) or without the file. Rewritten atomically."""
-        if after <= 0 or not self.enabled or not self.path.is_file():
+        past the checkpoint a resumed run continues from, which the resumed run logs again. ``after=0`` (a
+        fresh start, e.g. after a kill before the first checkpoint) leaves no line. Rewritten atomically."""
+        if self.enabled:
+            trim_appended(self.path, lambda line: _line_step(line) <= after)
+
+
+def _line_step(line: str) -> float:
+    """The ``step`` of a ``telemetry.jsonl`` line; infinity for an unreadable one (which is dropped)."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return math.inf
+
+
+def _on_rank0(ranks: _Ranks, check: Callable[[], None]) -> None:
+    """Run ``check`` (a no-op on ranks other than 0, which own no folder); a ``ConfigError`` it raises on
+    rank 0 stops every rank with the same message (the others would wait for rank 0 forever)."""
+    failure: ConfigError | None = None
+    try:
+        check()
+    except ConfigError as error:
+        failure = error
+    if ranks.distributed:
+        message = ranks.broadcast(None if failure is None else str(failure))
+        if failure is None and message is not None:
+            failure = ConfigError(message)
+    if failure is not None:
+        raise failure
+
+
+def _layerwise(scaler: LossScaler) -> bool:
+    """Whether the scaler has one scale per layer (its ``loss_scale_metric()`` is a dict)."""
+    return isinstance(scaler.loss_scale_metric(), dict)
+
+
+def _schedule_note(steps: int, full_steps: int) -> str:
+    """The start line's account of the lr schedule: its length, and whether trainer.max_steps squeezed it."""
+    if steps < full_steps:
+        return f"schedule squeezed from {full_steps} to {steps} iterations by trainer.max_steps"
+    return f"schedule {full_steps}"
+
+
+def _sweep_tag(cfg: DictConfig) -> str | None:
+    """``job <n> <run name>`` for the log lines of a sweep's job (``-m``), else None."""
+    if not _in_sweep():
+        return None
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        number = HydraConfig.get().job.num
+    except Exception:  # noqa: BLE001 - a sweep without job numbers: the name alone
+        number = "?"
+    return f"job {number} {cfg.name}".replace("%", "%%")
+
+
+def _stopped_by_signal(
+    stop: StopRequests, done: int, steps: int, checkpoints: CheckpointManager, run_dir: Path
+) -> None:
+    """After the checkpoint of iteration ``done``: one line saying how to resume, then either the handlers
+    installed before the run (submitit's) take the signal, or :class:`RunInterrupted` ends the run."""
+    line = (
+        f"{stop.names()} received: stopped after iteration {done}/{steps}, checkpoint "
+        f"{checkpoints.folder / f'step_{done}.pt'}; resume with: {resume_command(run_dir)}"
+    )
+    chained = dict(stop.chained())
+    unchained = [s for s in stop.pending if s not in chained]
+    if chained:
+        log.warning("%s (passing the signal on to the handler installed before the run, e.g. submitit's, "
+                    "which requeues the job)", line)  # fmt: skip
+        stop.pass_on()  # may exit: submitit requeues the job and leaves
+        if not unchained:
+            log.warning("the signal's handler let the run go on: training continues")
             return
-        kept = []
-        for line in self.path.read_text(encoding="utf-8").splitlines(keepends=True):
-            try:
-                step = json.loads(line)["step"]
-            except (ValueError, KeyError, TypeError):
-                continue
-            if step <= after:
-                kept.append(line if line.endswith("\n") else line + "\n")
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text("".join(kept), encoding="utf-8")
-        os.replace(tmp, self.path)
+    else:
+        log.warning("%s", line)
+    raise RunInterrupted(line, unchained[0])
+
+
+def _what_is_left(done: int, steps: int, checkpoints: CheckpointManager, run_dir: Path) -> str:
+    """After a failed write: where the run stopped, which checkpoints are intact and how to continue."""
+    kept = [path.name for _, path in checkpoints.checkpoints()]
+    if kept:
+        return (
+            f"the run stopped after iteration {done}/{steps}; its checkpoints are intact "
+            f"({', '.join(kept)}); once fixed, continue with: {resume_command(run_dir)}"
+        )
+    return (
+        f"the run stopped after iteration {done}/{steps} with no checkpoint to continue from; start it again "
+        f"with: {resume_command(run_dir)}"
+    )
 
 
 def _scaler_metrics(scaler: LossScaler, scale: float | dict[str, float] | None = None) -> dict[str, float]:
@@ -662,6 +818,14 @@ class _Ranks:
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier()
+
+    def any_(self, flag: bool) -> bool:
+        """Whether ``flag`` is set on any rank (one tiny all-reduce under DDP)."""
+        if not self.distributed:
+            return flag
+        tensor = torch.tensor([float(flag)], device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return bool(tensor.item())
 
     def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         """All-reduce (SUM) ``tensor`` in place over the ranks; returns it."""

@@ -6,6 +6,19 @@ checks the ``trainer``, ``optimizer``, ``schedule``, ``telemetry``, ``seed`` and
 reads, that every ``${...}`` interpolation resolves, that the model and dataset exist and suit each other
 (a detector needs a detection dataset, a classifier a classification one), and it runs the precision and
 scaler builders' own checks. Data on disk is checked by the dataset builders, which read it.
+
+Types are checked here, in one place, for every group (the builders keep their own range checks):
+
+* **Booleans** (:data:`BOOLEAN_FIELDS`) take ``true``/``false`` and the other spellings YAML reads as
+  booleans (``yes``/``no``/``on``/``off``, as OmegaConf loads them from a config file; on the command line
+  Hydra passes them as strings, which are turned into real booleans here). Anything else, ``maybe``, ``1``,
+  is an error: ``bool("no")`` would be ``True``.
+* **Numbers** are finite: Hydra turns ``inf`` and ``nan`` on the command line into floats, and no setting
+  here means anything with them (no clipping is ``trainer.grad_clip=null``, not ``inf``).
+
+(Hydra's structured configs could type the groups instead, but they reject a value while composing, before
+``train()`` runs, with OmegaConf's multi-line message, and several groups differ per option, such as
+``model``; one table of checks keeps every existing override and config file working as before.)
 """
 
 from __future__ import annotations
@@ -13,7 +26,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from adaloss.errors import ConfigError
@@ -35,43 +48,52 @@ _SECTION_EXAMPLES = {
 _UNRESOLVED_HERE = frozenset({"hydra", "paths.output_dir"})
 
 
+def _fix(key: str, example: Any) -> str:
+    """``e.g. key=example``; for a list's entries (``"schedule.milestones entries"``) the list's key."""
+    return f"e.g. {key.removesuffix(' entries')}={example}"
+
+
 def _positive_int(value: Any, key: str, example: Any, allow_none: bool = False) -> int | None:
     if value is None and allow_none:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         hint = " or null" if allow_none else ""
-        raise ConfigError(f"{key} must be a positive integer{hint}, got {value!r}; e.g. {key}={example}")
+        raise ConfigError(f"{key} must be a positive integer{hint}, got {value!r}; {_fix(key, example)}")
     return value
 
 
 def _number(
     value: Any, key: str, example: Any, low: float, high: float = math.inf, low_open: bool = False
 ) -> float:
-    """A real number in ``[low, high]`` (``(low, high]`` with ``low_open``); else a ConfigError."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
-        raise ConfigError(f"{key} must be a number, got {value!r}; e.g. {key}={example}")
+    """A finite real number in ``[low, high]`` (``(low, high]`` with ``low_open``); else a ConfigError."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ConfigError(f"{key} must be a finite number, got {value!r}; {_fix(key, example)}")
     too_low = value <= low if low_open else value < low
     if too_low or value > high:
         if high == math.inf:
             bounds = f"> {low:g}" if low_open else f">= {low:g}"
         else:
             bounds = f"in {'(' if low_open else '['}{low:g}, {high:g}]"
-        raise ConfigError(f"{key} must be a number {bounds}, got {value!r}; e.g. {key}={example}")
+        raise ConfigError(f"{key} must be a number {bounds}, got {value!r}; {_fix(key, example)}")
     return float(value)
 
 
 def validate_config(cfg: DictConfig) -> None:
-    """Raise ``ConfigError`` naming the first invalid value and its fix. No side effects.
+    """Raise ``ConfigError`` naming the first invalid value and its fix.
 
-    Cost: one walk over the config, one CUDA availability query, and the imports of
-    the model, data, precision and scaler modules (which the run needs anyway).
+    One side effect: a boolean field given as a YAML spelling (``trainer.save_final=no`` arrives from the
+    command line as the string ``"no"``) is replaced in ``cfg`` by the real boolean, so every reader, and
+    the config recorded with the run, sees ``False``. Cost: one walk over the config, one CUDA availability
+    query, and the imports of the model, data, precision and scaler modules (which the run needs anyway).
     """
     _check_sections(cfg)
     # names before resolving: a mismatched pair may leave ${model.image_size} dangling
     _check_model_and_dataset(cfg)
     _check_interpolations(cfg, "")
+    _check_booleans(cfg)
     _check_trainer(cfg.trainer)
     _check_optimizer_and_schedule(cfg)
+    _check_group_numbers(cfg)
     _check_run(cfg)
 
 
@@ -158,6 +180,45 @@ def _first_line(error: BaseException) -> str:
     return lines[0] if lines else type(error).__name__
 
 
+#: Every boolean setting, wherever a config file or the code reads one. A group option that lacks the key
+#: (``scaler=fixed`` has no ``allow_below_one``) skips it.
+BOOLEAN_FIELDS: tuple[str, ...] = (
+    "trainer.progress_bar",
+    "trainer.save_final",
+    "telemetry.expected_loss_scale",
+    "optimizer.nesterov",
+    "scaler.allow_below_one",
+    "scaler.consecutive_hysteresis",
+    "dataset.download",
+    "dataset.augment",
+    "dataset.use_difficult",
+    "model.shared_hidden",
+)
+#: The strings YAML 1.1 reads as booleans, as PyYAML's (and so OmegaConf's) loader does: a config file's
+#: ``save_final: no`` is ``False``, so ``trainer.save_final=no`` on the command line means the same.
+_YAML_BOOLEANS = {
+    **dict.fromkeys(("true", "True", "TRUE", "yes", "Yes", "YES", "on", "On", "ON"), True),
+    **dict.fromkeys(("false", "False", "FALSE", "no", "No", "NO", "off", "Off", "OFF"), False),
+}
+
+
+def _check_booleans(cfg: DictConfig) -> None:
+    """Every :data:`BOOLEAN_FIELDS` entry present is a boolean; YAML spellings become one in ``cfg``."""
+    for key in BOOLEAN_FIELDS:
+        section, _, field = key.partition(".")
+        node = cfg.get(section)
+        if not isinstance(node, DictConfig) or field not in node:
+            continue
+        value = node[field]
+        if isinstance(value, bool):
+            continue
+        if isinstance(value, str) and value.strip() in _YAML_BOOLEANS:
+            with open_dict(node):
+                node[field] = _YAML_BOOLEANS[value.strip()]
+            continue
+        raise ConfigError(f"{key} must be true or false, got {value!r}; e.g. {key}=false")
+
+
 def _check_trainer(t: DictConfig) -> None:
     _positive_int(t.batch_size, "trainer.batch_size", 128)
     _positive_int(t.eval_batch_size, "trainer.eval_batch_size", 500)
@@ -211,6 +272,37 @@ def _check_optimizer_and_schedule(cfg: DictConfig) -> None:
         raise ConfigError(
             f"schedule.warmup must be 'constant' or 'linear', got {warmup!r}; e.g. schedule.warmup=linear"
         )
+
+
+def _check_group_numbers(cfg: DictConfig) -> None:
+    """Numbers of the option groups that their builders convert without looking (``int(h)``, ``float(v)``):
+    an ``inf`` or ``nan`` there would fail with a traceback or train on nonsense."""
+    model, dataset, scaler = cfg.model, cfg.dataset, cfg.scaler
+    if "hidden" in model:
+        hidden = model.hidden
+        if not isinstance(hidden, ListConfig):
+            raise ConfigError(
+                f"model.hidden must be a list of layer widths, got {hidden!r}; e.g. model.hidden=[256,256]"
+            )
+        for width in hidden:
+            _positive_int(width, "model.hidden entries", "[256,256]")
+    if "depth" in model:
+        _positive_int(model.depth, "model.depth", 20)
+    for key, positive in (("mean", False), ("std", True)):
+        if dataset.get(key) is None:
+            continue
+        values = dataset[key]
+        if not isinstance(values, ListConfig):
+            raise ConfigError(
+                f"dataset.{key} must be a list of per-channel values, got {values!r}; "
+                f"e.g. dataset.{key}=[0.5,0.5,0.5]"
+            )
+        low = 0.0 if positive else -math.inf  # a standard deviation divides
+        for value in values:
+            _number(value, f"dataset.{key} entries", "[0.5,0.5,0.5]", low, low_open=positive)
+    for key in ("u_min", "u_max"):  # the adaptive scaler's optional format bounds (defaults: the format's)
+        if scaler.get(key) is not None:
+            _number(scaler[key], f"scaler.{key}", "6e-8" if key == "u_min" else 65504, 0.0, low_open=True)
 
 
 def _check_run(cfg: DictConfig) -> None:

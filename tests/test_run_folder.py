@@ -1,0 +1,217 @@
+"""One run per folder: the lock (a second process refused, a killed run's lock taken over), the append-only
+files trimmed on every start, and ``.hydra/`` written only once a start is accepted.
+
+(The refusals themselves, each one ``error:`` line with the folder left byte for byte as it was, are rows of
+``tests/test_bad_input.py``'s ``FOLDER_CASES``.)
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import yaml
+from omegaconf import DictConfig
+
+from adaloss.engine import train
+from adaloss.engine.run_folder import LOCK_FILE, RunFolderBusy, RunLock
+from adaloss.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------------------------------------ lock
+
+
+def test_a_held_lock_refuses_a_second_holder_and_is_free_after_release(tmp_path: Path) -> None:
+    first, second = RunLock(tmp_path), RunLock(tmp_path)
+    assert first.acquire() is None  # nobody held it before
+    holder = json.loads((tmp_path / LOCK_FILE).read_text())
+    assert holder["pid"] == os.getpid()
+    with pytest.raises(RunFolderBusy) as info:
+        second.acquire()  # a second open file description: flock refuses it as it would another process
+    message = str(info.value)
+    assert f"is in use by another live run (PID {os.getpid()} on " in message and "\n" not in message
+    first.release()
+    assert not (tmp_path / LOCK_FILE).exists()
+    assert second.acquire() is None and second.held
+    second.release()
+
+
+def test_a_lock_left_by_a_dead_process_is_taken_over(tmp_path: Path) -> None:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True)
+    stale = {"pid": int(dead.stdout), "host": os.uname().nodename, "started": "earlier", "process_start": "1"}
+    (tmp_path / LOCK_FILE).write_text(json.dumps(stale))  # the file a SIGKILLed run leaves; no flock on it
+    lock = RunLock(tmp_path)
+    previous = lock.acquire()
+    assert previous is not None and previous.pid == stale["pid"]
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
+    lock.release()
+
+
+def test_without_flock_the_pid_decides(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Some network file systems cannot flock: a live holder on this host still refuses, a dead one not."""
+
+    def no_flock(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        holder = RunLock(tmp_path)
+        holder.acquire()
+        lock_text = json.loads((tmp_path / LOCK_FILE).read_text())
+        start = Path(f"/proc/{live.pid}/stat").read_text().rsplit(")", 1)[-1].split()[19]
+        (tmp_path / LOCK_FILE).write_text(json.dumps({**lock_text, "pid": live.pid, "process_start": start}))
+        with pytest.raises(RunFolderBusy, match=f"PID {live.pid} on"):
+            RunLock(tmp_path).acquire()
+    finally:
+        live.kill()
+        live.wait()
+    taker = RunLock(tmp_path)
+    assert taker.acquire().pid == live.pid  # the holder is gone: taken over
+    taker.release()
+
+
+def test_an_unwritable_run_folder_is_a_config_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_open = os.open
+
+    def read_only(path: str | os.PathLike[str], flags: int, *args: object) -> int:
+        if Path(path).name == LOCK_FILE:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", read_only)
+    with pytest.raises(ConfigError) as info:
+        RunLock(tmp_path).acquire()
+    message = str(info.value)
+    assert f"cannot write to the run folder {tmp_path}: the file system is read-only" in message
+    assert "hydra.run.dir=<folder>" in message
+
+
+# ------------------------------------------------------------------------------------ two real processes
+
+RUN = ("dataset=digits", "dataset.image_size=8", "trainer.batch_size=32", "trainer.max_steps=150",
+       "trainer.eval_every=50", "trainer.checkpoint_every=20", "trainer.log_every=1", "telemetry.every=10",
+       "trainer.progress_bar=false", "device=cpu", "logger=none", "model=mlp", "resume=auto")  # fmt: skip
+#: Each iteration of the child sleeps 0.2 s in SGD's step: the run lasts while the others start.
+SLOW = """
+import time, torch
+_step = torch.optim.SGD.step
+def _slow_step(self, *args, **kwargs):
+    time.sleep(0.2)
+    return _step(self, *args, **kwargs)
+torch.optim.SGD.step = _slow_step
+import runpy, sys
+sys.argv[0] = "train.py"
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
+def _cli(run_dir: Path, slow: bool = False) -> subprocess.Popen[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    start = [sys.executable, "-c", SLOW] if slow else [sys.executable, "train.py"]
+    return subprocess.Popen(
+        [*start, *RUN, f"hydra.run.dir={run_dir}"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def _steps(path: Path, column: int = 0) -> list[int]:
+    lines = path.read_text().splitlines()
+    if path.suffix == ".csv":
+        return [int(line.split(",")[column]) for line in lines[1:]]
+    return [json.loads(line)["step"] for line in lines]
+
+
+def test_a_second_process_is_refused_and_a_killed_runs_lock_is_taken_over(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    first = _cli(run, slow=True)
+    deadline = time.monotonic() + 240
+    while not (run / "checkpoints" / "step_20.pt").exists() and time.monotonic() < deadline:
+        assert first.poll() is None, first.communicate()[1][-3000:]
+        time.sleep(0.02)
+
+    second = _cli(run)  # the same command, as a user starting it twice would
+    _, err = second.communicate(timeout=240)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert second.returncode == 2 and lines[-1].startswith("error: "), err[-3000:]
+    assert f"run folder {run} is in use by another live run (PID {first.pid} on" in lines[-1]
+    assert "Traceback" not in err and first.poll() is None  # refused while the first one trains on
+
+    first.send_signal(signal.SIGKILL)  # the lock is left behind ...
+    first.communicate(timeout=60)
+    assert json.loads((run / LOCK_FILE).read_text())["pid"] == first.pid
+    third = _cli(run)  # ... and taken over by the next start, which continues the run
+    out, err = third.communicate(timeout=300)
+    assert third.returncode == 0, err[-3000:]
+    assert f"took over the lock of a run that is no longer running (PID {first.pid} on" in out
+    assert (run / "metrics.json").exists() and not (run / LOCK_FILE).exists()
+    assert _steps(run / "scalars.csv") == list(range(1, 151))  # each iteration once, none twice
+    assert _steps(run / "telemetry.jsonl") == [1, *range(11, 151, 10)]
+
+
+# ----------------------------------------------------------------------------- starts trim append-only files
+
+FAST = ("trainer.max_steps=6", "trainer.eval_every=3", "trainer.log_every=1", "telemetry.every=2",
+        "dataset.train_size=12", "trainer.checkpoint_every=null")  # fmt: skip
+
+
+class _Killed(Exception):
+    """Stands in for a SIGKILL: the run ends at once, without any of its clean-up."""
+
+
+def _kill_at(step: int) -> Callable[..., None]:
+    def callback(done: int, *_: object) -> None:
+        if done == step:
+            raise _Killed
+
+    return callback
+
+
+def test_a_fresh_start_after_a_kill_before_the_first_checkpoint_starts_the_logs_empty(
+    make_cfg: Callable[..., DictConfig], tmp_path: Path
+) -> None:
+    reference = make_cfg(*FAST)
+    reference.paths.output_dir = str(tmp_path / "reference")
+    train(reference)
+    for _ in range(2):  # killed twice before any checkpoint: each time the logs hold steps 1..4
+        with pytest.raises(_Killed):
+            train(make_cfg(*FAST, "resume=auto"), callbacks=[_kill_at(4)])
+        assert _steps(tmp_path / "scalars.csv") == [1, 2, 3, 4]
+        assert _steps(tmp_path / "telemetry.jsonl") == [1, 3]
+    train(make_cfg(*FAST, "resume=auto"))  # no checkpoint: a fresh start of the same run
+    for name in ("scalars.csv", "telemetry.jsonl"):  # once each, as in a run never killed
+        assert (tmp_path / name).read_text() == (tmp_path / "reference" / name).read_text(), name
+
+
+# ----------------------------------------------------------------------------------------------- .hydra/
+
+
+def test_hydra_files_are_written_by_the_run_once_it_is_accepted(tmp_path: Path) -> None:
+    """configs/hydra/default.yaml turns Hydra's own writing off; the run writes the same three files."""
+    run = tmp_path / "run"
+    overrides = ["dataset=synthetic", "dataset.image_size=16", "dataset.train_size=16", "dataset.test_size=8",
+                 "trainer.batch_size=4", "trainer.max_steps=2", "model=mlp", "device=cpu", "logger=none",
+                 "trainer.progress_bar=false"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "train.py", *overrides, f"hydra.run.dir={run}"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert yaml.safe_load((run / ".hydra" / "overrides.yaml").read_text()) == overrides
+    config = yaml.safe_load((run / ".hydra" / "config.yaml").read_text())
+    assert config["model"]["name"] == "mlp" and config["trainer"]["max_steps"] == 2
+    hydra = yaml.safe_load((run / ".hydra" / "hydra.yaml").read_text())["hydra"]
+    assert hydra["runtime"]["output_dir"] == str(run) and hydra["runtime"]["choices"]["model"] == "mlp"
