@@ -170,6 +170,42 @@ VALUE_CASES: list = [
         ["scaler.update_every must be a positive integer", "scaler.update_every=100"],
         id="update_every-0",
     ),
+    pytest.param(
+        ["scaler=adaptive", "scaler.rule=bogus"],
+        ["scaler.rule must be one of reference, paper", "scaler.rule=reference"],
+        id="rule-unknown",
+    ),
+    pytest.param(
+        ["scaler=adaptive", "scaler.scale_upper_bound=-3"],
+        ["scaler.scale_upper_bound must be a positive number, null (no bound) or auto", "got -3"],
+        id="scale-bound-negative",
+    ),
+    pytest.param(
+        ["scaler=adaptive", "scaler.accum_upper_bound=inf"],
+        ["scaler.accum_upper_bound must be a positive number", "got inf"],
+        id="accum-bound-inf",
+    ),
+    pytest.param(
+        ["scaler=adaptive", "scaler.allow_below_one=true"],
+        ["scaler.allow_below_one=true applies to scaler.rule=paper only", "scaler.rule=paper"],
+        id="allow-below-one-under-reference",
+    ),
+    # precision backends
+    pytest.param(
+        ["precision.backend=gpu"],
+        ["unknown precision.backend 'gpu'", "auto, autocast, emulate"],
+        id="backend-unknown",
+    ),
+    pytest.param(
+        ["precision=fp8_e5m2", "precision.backend=autocast"],
+        ["precision=fp8_e5m2 has no autocast", "precision.backend=emulate"],
+        id="backend-fp8-autocast",
+    ),
+    pytest.param(
+        ["precision=fp32", "precision.backend=autocast"],
+        ["precision.backend=autocast needs a half format", "precision=fp16 or bf16"],
+        id="backend-fp32-autocast",
+    ),
     # names set by key rather than by group option (Hydra cannot check these)
     pytest.param(["scaler.name=adaptve"], ["unknown scaler 'adaptve'", "scaler= one of"], id="scaler-name"),
     pytest.param(
