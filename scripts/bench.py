@@ -82,6 +82,7 @@ import copy
 import gc
 import math
 import random
+import re
 import sys
 import time
 from collections import Counter
@@ -744,6 +745,7 @@ OP_KINDS: tuple[OpKind, ...] = (
 OP_MODELS = ("resnet20", "resnet110")
 OP_BATCH = 2
 _SRC = str(C.ROOT / "src" / "adaloss") + "/"
+_MODELS = _SRC + "models/"
 
 
 class OpCounter(TorchDispatchMode):
@@ -764,13 +766,16 @@ class OpCounter(TorchDispatchMode):
         super().__init__()
         self.by_op: Counter[str] = Counter()
         self.by_origin: Counter[str] = Counter()
+        self.by_site: Counter[str] = Counter()
         self.views = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.by_op[func.overloadpacket.__name__] += 1
         if func.is_view:
             self.views += 1
-        self.by_origin[_origin(sys._getframe(1))] += 1
+        origin, site = _origin_and_site(sys._getframe(1))
+        self.by_origin[origin] += 1
+        self.by_site[site] += 1
         return func(*args, **(kwargs or {}))
 
     def summary(self) -> dict[str, Any]:
@@ -781,19 +786,50 @@ class OpCounter(TorchDispatchMode):
             "views": self.views,
             "by_op": dict(self.by_op.most_common()),
             "by_origin": dict(self.by_origin.most_common()),
+            "by_site": dict(self.by_site.most_common()),
         }
 
 
-def _origin(frame: Any) -> str:
-    """``module.py:function:line`` of the innermost adaloss frame calling an op; ops with none on the stack
-    come from torch itself (the autograd engine's built-in backward nodes, an fx-traced model's forward,
-    the optimizer) or from code outside adaloss."""
+#: Sites (see ``_origin_and_site``) that run once per GEMM point or once per branch point of a pass.
+_PER_POINT = {
+    "gemm": ("AdaptiveGEMM.", "ScaledGEMM.", "GradRound."),
+    "branch": ("BranchModule.", "Rescale."),
+}
+_NO_FRAME = "torch or a model's forward (no adaloss frame)"
+
+
+def _origin_and_site(frame: Any) -> tuple[str, str]:
+    """Where an op comes from: its *site*, ``module.py:Class.method`` of the outermost adaloss frame (the
+    scaler method the loop called, or the autograd node or module the engine ran: ``ScaledGEMM.backward``
+    runs once per GEMM point), and its *origin*, ``module.py:function:line`` of the innermost one, followed
+    by its site's ``(in Class.method)`` (the printed table sums the lines of each function and site).
+
+    The models' own code is left out: the adaptive scaler trains an fx-traced copy whose forward runs
+    generated code, so naming the plain model's forward ops by its source lines would show the same ops as
+    a difference. Ops with no adaloss frame come from torch itself (the autograd engine's built-in backward
+    nodes, a model's forward, the optimizer) or from code outside adaloss."""
+    origin = site = None
     while frame is not None:
         path = frame.f_code.co_filename
-        if path.startswith(_SRC):
-            return f"{path[len(_SRC) :]}:{frame.f_code.co_name}:{frame.f_lineno}"
+        if path.startswith(_SRC) and not path.startswith(_MODELS):
+            code = frame.f_code
+            if origin is None:
+                origin = f"{path[len(_SRC) :]}:{code.co_qualname}:{frame.f_lineno}"
+            site = f"{path[len(_SRC) :]}:{code.co_qualname}"
         frame = frame.f_back
-    return "torch (no adaloss frame)"
+    if origin is None:
+        return _NO_FRAME, _NO_FRAME
+    return f"{origin} (in {site.rsplit(':', 1)[-1]})", site
+
+
+def _per_point(key: str) -> str | None:
+    """``"gemm"`` or ``"branch"`` for a site (or an origin in a site) that runs once per such point."""
+    site, _, inside = key.rpartition(" (in ")
+    qualname = inside[:-1] if site else key.rsplit(":", 1)[-1]
+    for point, prefixes in _PER_POINT.items():
+        if qualname.startswith(prefixes):
+            return point
+    return None
 
 
 def count_step_ops(name: str, batch: int, seed: int = 0) -> dict[str, Any]:
@@ -900,20 +936,32 @@ def measure_op_counts(models: Sequence[str], batch: int, seed: int, log: Callabl
     return {"batch": batch, "models": results, "batch_check": check}
 
 
-def _diff_table(base: dict[str, int], other: dict[str, int], what: str, n_gemm: int, top: int) -> str:
-    """The ``top`` largest differences ``other - base`` of two op histograms, with the difference per GEMM
-    point."""
+def _diff_table(
+    base: dict[str, int], other: dict[str, int], what: str, points: dict[str, int], top: int
+) -> str:
+    """The ``top`` largest differences ``other - base`` of two op histograms, each also per GEMM point
+    (per branch point for a site that runs once per branch point)."""
     diff = Counter(other)
     diff.subtract(base)
-    rows = [
-        [k, base.get(k, 0), other.get(k, 0), f"{v:+d}", f"{v / n_gemm:+.2f}"]
-        for k, v in sorted(diff.items(), key=lambda kv: (-abs(kv[1]), kv[0]))[:top]
-        if v
-    ]
-    return C.markdown_table([what, "dynamic", "adaptive", "difference", "per GEMM point"], rows)
+    rows = []
+    for k, v in sorted(diff.items(), key=lambda kv: (-abs(kv[1]), kv[0]))[:top]:
+        if not v:
+            continue
+        point = (_per_point(k) if what != "op" else None) or "gemm"
+        per = f"{v / points[point]:+.2f} per {'GEMM' if point == 'gemm' else 'branch'} point"
+        rows.append([k, base.get(k, 0), other.get(k, 0), f"{v:+d}", per])
+    return C.markdown_table([what, "dynamic", "adaptive", "difference", "per point"], rows)
 
 
-def render_op_counts(info: dict[str, Any], op: dict[str, Any], top: int = 12) -> str:
+def _by_function(by_origin: dict[str, int]) -> dict[str, int]:
+    """Sum ``module.py:function:line`` counts per ``module.py:function``."""
+    out: Counter[str] = Counter()
+    for origin, n in by_origin.items():
+        out[re.sub(r":\d+ \(in ", " (in ", origin)] += n
+    return dict(out)
+
+
+def render_op_counts(info: dict[str, Any], op: dict[str, Any], top: int = 16) -> str:
     """The op-count table, and where the adaptive steps' extra ops come from (by op and by origin)."""
     lines = [
         "### Dispatched ATen ops per training step (GPU-cost proxy: the GPU code path run on the CPU)",
@@ -954,21 +1002,27 @@ def render_op_counts(info: dict[str, Any], op: dict[str, Any], top: int = 12) ->
         f"{check['batches'][0]} and {check['batches'][1]}): {same} "
         f"({', '.join(f'{k} {a}/{b}' for k, (a, b) in check['ops'].items())}).",
     ]
+    notes = {
+        "op": "",
+        "site": "; site: the outermost adaloss frame, the scaler method or autograd node that ran",
+        "origin": "; origin: the function of the innermost adaloss frame, in its site",
+    }
     for name, res in op["models"].items():
-        n_gemm, c = res["points"]["gemm"], res["counts"]
+        c = res["counts"]
         for kind in OP_KINDS[1:]:
             extra = c[kind.key]["ops"] - c["dynamic"]["ops"]
-            for what, key in (("op", "by_op"), ("origin", "by_origin")):
-                if kind.recompute is False and key == "by_origin":
-                    continue  # a reuse step's few extra ops are named by the op table
+            for what in ("op", "site", "origin"):
+                if kind.recompute is False and what == "origin":
+                    continue  # a reuse step's few extra ops are named by the other two
+                base, other = c["dynamic"][f"by_{what}"], c[kind.key][f"by_{what}"]
+                if what == "origin":  # per function: the JSON keeps the lines
+                    base, other = _by_function(base), _by_function(other)
                 lines += [
                     "",
                     f"{C.PRETTY.get(name, name)}, {kind.label}: {extra:+d} ops against dynamic, by {what} "
-                    f"(the largest {top}; {n_gemm} GEMM points"
-                    + ("; origin: the innermost adaloss frame" if key == "by_origin" else "")
-                    + "):",
+                    f"(the largest {top}{notes[what]}):",
                     "",
-                    _diff_table(c["dynamic"][key], c[kind.key][key], what, n_gemm, top),
+                    _diff_table(base, other, what, res["points"], top),
                 ]
     return "\n".join(lines)
 
@@ -1045,6 +1099,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=OP_BATCH,
         help=f"batch of the op counts (default {OP_BATCH}; counts do not depend on it, see the table)",
     )
+    p.add_argument(
+        "--opcount-top", type=int, default=16, help="rows of each where-the-ops-come-from table (default 16)"
+    )
     p.add_argument("--out", default=None, help="JSON output (default results/bench/bench.json)")
     args = p.parse_args(argv)
     args.argv = list(argv) if argv is not None else sys.argv[1:]
@@ -1055,8 +1112,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     for m in args.models + args.opcount_models:
         if m not in PLAN:
             p.error(f"unknown model '{m}': choose from {', '.join(PLAN)}")
-    if args.opcount_batch < 1:
-        p.error(f"--opcount-batch must be positive, got {args.opcount_batch}")
+    for name in ("opcount_batch", "opcount_top"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     args.opcounts = args.opcounts or ("off" if args.quick else "on")
     name = "opcounts.json" if args.opcounts == "only" else "bench.json"
     args.out = args.out or str(C.ROOT / "results" / "bench" / name)
@@ -1178,7 +1236,7 @@ def _op_count_section(
 ) -> tuple[dict[str, Any], str]:
     """Count, print and return the dispatched-ops table (about a minute for ResNet-20 and -110)."""
     op_counts = measure_op_counts(args.opcount_models, args.opcount_batch, args.seed, log)
-    text = render_op_counts(info, op_counts)
+    text = render_op_counts(info, op_counts, args.opcount_top)
     print(text, flush=True)
     return op_counts, text
 
