@@ -59,20 +59,33 @@ Paired runs: ``--configs fp16_dynamic fp16_adaptive_u100`` measures only those c
 only the ratios between them), so a comparison of two configurations gets more rounds in the same time and
 does not share the heap with five unrelated models.
 
+Dispatched ops per step, a GPU-cost proxy (``--opcounts on|off|only``): no GPU is available here, and on
+a GPU a step's host cost is largely one kernel launch per dispatched op, so after the timing the script
+counts the ATen ops of one dynamic step and of adaptive reuse and recompute steps (ResNet-20 and -110),
+run through the GPU's code path on the CPU (real FP16 autocast, ``device_path=True``), and prints them
+with their ratios to the dynamic step against issue 15's goals (reuse at most 1.10x, recompute at most
+2x), and where the extra ops come from, by op and by calling line. Counts are exact and do not depend on
+the batch size or the machine's load, so one small batch suffices (checked each run). See
+:func:`count_step_ops` and :class:`OpCounter` for what is counted and how.
+
 Cost: the default run keeps to ``--budget`` seconds (840 s), shared among the models; deeper models get
-fewer rounds and fewer steps per round. ``--quick`` is a seconds-long smoke run. Raw per-step timings (with
-their kinds and cycles) and every ratio go to ``--out`` (``results/bench/bench.json``).
+fewer rounds and fewer steps per round; the op counts add about a minute. ``--quick`` is a seconds-long
+smoke run (no op counts). Raw per-step timings (with their kinds and cycles), every ratio and the op
+counts go to ``--out`` (``results/bench/bench.json``; ``--opcounts only``: ``results/bench/opcounts.json``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import math
 import random
+import re
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,6 +96,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import _common as C  # noqa: E402  (needs the path above)
 
@@ -704,6 +718,315 @@ def kernel_timings() -> list[dict[str, Any]]:
     return out
 
 
+# ------------------------------------------------------------------- dispatched ops per step (GPU-cost proxy)
+
+
+@dataclass(frozen=True)
+class OpKind:
+    """One counted step: which scaler, which kind of adaptive step, and the goal for its ratio to dynamic."""
+
+    key: str
+    label: str
+    goal: float | None  # issue 15's bound on ops(this) / ops(dynamic); None for the baseline
+    init_scale: float | None = None  # the adaptive scaler's alpha_{N+1}; None: the dynamic scaler
+    recompute: bool | None = None  # the adaptive step kind to count (read back from scaler.state)
+
+
+#: ``2**-24`` is FP16's smallest subnormal: with the loss scaled that far down, Algorithm 4 must raise the
+#: scale layer by layer, so many betas differ from 1 (at ``alpha_{N+1} = 1`` a freshly initialized ResNet's
+#: gradients need none, and every beta is 1). A reuse step costs more ops for every beta that is not 1.
+LOW_INIT_SCALE = 2.0**-24
+OP_KINDS: tuple[OpKind, ...] = (
+    OpKind("dynamic", "dynamic", None),
+    OpKind("adaptive_reuse", "adaptive reuse", 1.10, init_scale=1.0, recompute=False),
+    OpKind("adaptive_reuse_low", "adaptive reuse, alpha_{N+1}=2^-24", 1.10, LOW_INIT_SCALE, False),
+    OpKind("adaptive_recompute", "adaptive recompute", 2.0, init_scale=1.0, recompute=True),
+)
+OP_MODELS = ("resnet20", "resnet110")
+OP_BATCH = 2
+_SRC = str(C.ROOT / "src" / "adaloss") + "/"
+_MODELS = _SRC + "models/"
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the ATen ops that reach a kernel while it is active, by op and by the adaloss code calling it.
+
+    Why a ``TorchDispatchMode`` rather than ``torch.profiler``: the mode sits below autograd and autocast,
+    so it sees each op exactly once, as the backend receives it, backward ops and autocast's casts included;
+    an op that a kernel calls internally is not seen again (the mode is off while its handler runs the op),
+    so nothing is counted twice, where the profiler records every nesting level (``aten::conv2d`` over
+    ``aten::convolution`` over ``aten::_convolution`` ...) and its counts need a top-level filter. It also
+    names the Python line each op came from, which the per-origin breakdown needs, at no cost to ops
+    outside a counted step. On a GPU each counted op is one kernel launch from the host (more for a few
+    composite kernels, equally for every configuration); views (``func.is_view``: ``view``, ``t``,
+    ``detach``, ...) launch nothing but still cost a dispatch, so both are reported.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_op: Counter[str] = Counter()
+        self.by_origin: Counter[str] = Counter()
+        self.by_site: Counter[str] = Counter()
+        self.views = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.by_op[func.overloadpacket.__name__] += 1
+        if func.is_view:
+            self.views += 1
+        origin, site = _origin_and_site(sys._getframe(1))
+        self.by_origin[origin] += 1
+        self.by_site[site] += 1
+        return func(*args, **(kwargs or {}))
+
+    def summary(self) -> dict[str, Any]:
+        total = sum(self.by_op.values())
+        return {
+            "ops": total,
+            "kernels": total - self.views,
+            "views": self.views,
+            "by_op": dict(self.by_op.most_common()),
+            "by_origin": dict(self.by_origin.most_common()),
+            "by_site": dict(self.by_site.most_common()),
+        }
+
+
+#: Sites (see ``_origin_and_site``) that run once per GEMM point or once per branch point of a pass.
+_PER_POINT = {
+    "gemm": ("AdaptiveGEMM.", "ScaledGEMM.", "GradRound."),
+    "branch": ("BranchModule.", "Rescale."),
+}
+_NO_FRAME = "torch or a model's forward (no adaloss frame)"
+
+
+def _origin_and_site(frame: Any) -> tuple[str, str]:
+    """Where an op comes from: its *site*, ``module.py:Class.method`` of the outermost adaloss frame (the
+    scaler method the loop called, or the autograd node or module the engine ran: ``ScaledGEMM.backward``
+    runs once per GEMM point), and its *origin*, ``module.py:function:line`` of the innermost one, followed
+    by its site's ``(in Class.method)`` (the printed table sums the lines of each function and site).
+
+    The models' own code is left out: the adaptive scaler trains an fx-traced copy whose forward runs
+    generated code, so naming the plain model's forward ops by its source lines would show the same ops as
+    a difference. Ops with no adaloss frame come from torch itself (the autograd engine's built-in backward
+    nodes, a model's forward, the optimizer) or from code outside adaloss."""
+    origin = site = None
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if path.startswith(_SRC) and not path.startswith(_MODELS):
+            code = frame.f_code
+            if origin is None:
+                origin = f"{path[len(_SRC) :]}:{code.co_qualname}:{frame.f_lineno}"
+            site = f"{path[len(_SRC) :]}:{code.co_qualname}"
+        frame = frame.f_back
+    if origin is None:
+        return _NO_FRAME, _NO_FRAME
+    return f"{origin} (in {site.rsplit(':', 1)[-1]})", site
+
+
+def _per_point(key: str) -> str | None:
+    """``"gemm"`` or ``"branch"`` for a site (or an origin in a site) that runs once per such point."""
+    site, _, inside = key.rpartition(" (in ")
+    qualname = inside[:-1] if site else key.rsplit(":", 1)[-1]
+    for point, prefixes in _PER_POINT.items():
+        if qualname.startswith(prefixes):
+            return point
+    return None
+
+
+def count_step_ops(name: str, batch: int, seed: int = 0) -> dict[str, Any]:
+    """Dispatched ops of one training step of each kind in ``OP_KINDS`` for model ``name``.
+
+    The steps run under real CPU FP16 autocast (``torch.autocast("cpu", dtype=torch.float16)``) with the
+    adaptive scaler on its GPU code path (``device_path=True``: statistics, betas and alphas as tensors on
+    recompute steps, host copies of the betas in between, no fused C++ nodes) and ``update_every=100``, so
+    the ops are those a GPU step dispatches. A recompute step is requested with ``recompute_next()``. SGD
+    (momentum 0.9) runs its ``foreach`` implementation, PyTorch's default for CUDA parameters (the CPU
+    default is a per-parameter loop). A step is forward + loss + scaled backward + ``scaler.step`` +
+    ``update`` + ``zero_grad``, after two applied warm-up steps (the first applied step creates the momentum
+    buffers). The op sequence depends on the model and on which scales are 1, not on the batch size
+    (``measure_op_counts`` checks this). A counted step must apply its update (a skipped step dispatches
+    no optimizer ops), so an overflowing one is stepped past and the count repeated.
+    """
+    from adaloss.models import build_model
+    from adaloss.scalers import AdaptiveLossScaler, DynamicLossScaler
+
+    torch.manual_seed(seed)
+    base = build_model(C.model_cfg(name), 10)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, 3, 32, 32, generator=gen)
+    y = torch.randint(0, 10, (batch,), generator=gen)
+
+    def step(run: tuple, counter: OpCounter | None = None) -> None:
+        scaler, model, opt = run
+        with counter if counter is not None else contextlib.nullcontext():
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.cross_entropy(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+
+    def make(kind: OpKind) -> tuple[Any, torch.nn.Module, torch.optim.Optimizer]:
+        if kind.init_scale is None:
+            scaler = DynamicLossScaler()
+        else:
+            scaler = AdaptiveLossScaler(update_every=100, device_path=True, init_scale=kind.init_scale)
+        model = scaler.attach(copy.deepcopy(base))
+        model.train()
+        run = (scaler, model, torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM, foreach=True))
+        applied = 0
+        for _ in range(30):  # warm-up: two applied steps (and the dynamic scale backed off below overflow)
+            step(run)
+            applied += not scaler.last_step_skipped
+            if applied == 2:
+                return run
+        raise RuntimeError(f"{name}: fewer than 2 of 30 warm-up steps were applied (all overflowed)")
+
+    def counted(run: tuple, kind: OpKind) -> dict[str, Any]:
+        scaler = run[0]
+        for _ in range(10):
+            if kind.recompute:
+                scaler.recompute_next()
+            counter = OpCounter()
+            step(run, counter)
+            state = getattr(scaler, "state", None)
+            if not scaler.last_step_skipped and getattr(state, "recompute", None) is kind.recompute:
+                out = counter.summary()
+                if state is not None:  # which scales were not 1 (a reuse step's op count depends on it)
+                    out["betas_not_1"] = sum(b != 1.0 for b in state.beta_host or [])
+                    factors = [f for f in state.branch_factors_host or [] if f is not None]
+                    out["branches_not_1"] = sum(any(v != 1.0 for v in f) for f in factors)
+                return out
+        raise RuntimeError(f"{name}: no clean {kind.key} step in 10 tries (every one overflowed)")
+
+    runs: dict[float | None, tuple] = {}
+    counts = {}
+    for kind in OP_KINDS:
+        if kind.init_scale not in runs:
+            runs[kind.init_scale] = make(kind)
+        counts[kind.key] = counted(runs[kind.init_scale], kind)
+    state = runs[1.0][0].state
+    base_ops, base_kernels = counts["dynamic"]["ops"], counts["dynamic"]["kernels"]
+    return {
+        "model": name,
+        "batch": batch,
+        "points": {"gemm": len(state.gemms), "branch": len(state.branches)},
+        "counts": counts,
+        "ratios": {k.key: counts[k.key]["ops"] / base_ops for k in OP_KINDS if k.goal},
+        "kernel_ratios": {k.key: counts[k.key]["kernels"] / base_kernels for k in OP_KINDS if k.goal},
+    }
+
+
+def measure_op_counts(models: Sequence[str], batch: int, seed: int, log: Callable[[str], None]) -> dict:
+    """``count_step_ops`` for each model, plus the batch-size check on the first: the same model counted
+    at ``batch`` and ``2 * batch`` must dispatch the same ops, op for op."""
+    results = {}
+    for name in models:
+        t0 = time.perf_counter()
+        results[name] = count_step_ops(name, batch, seed)
+        log(f"[bench] {name}: op counts at batch {batch} in {time.perf_counter() - t0:.0f}s")
+    first, keys = models[0], [k.key for k in OP_KINDS]
+    other = count_step_ops(first, 2 * batch, seed)
+    mine = results[first]["counts"]
+    check = {
+        "model": first,
+        "batches": [batch, 2 * batch],
+        "equal": all(mine[k]["by_op"] == other["counts"][k]["by_op"] for k in keys),
+        "ops": {k: [mine[k]["ops"], other["counts"][k]["ops"]] for k in keys},
+    }
+    return {"batch": batch, "models": results, "batch_check": check}
+
+
+def _diff_table(
+    base: dict[str, int], other: dict[str, int], what: str, points: dict[str, int], top: int
+) -> str:
+    """The ``top`` largest differences ``other - base`` of two op histograms, each also per GEMM point
+    (per branch point for a site that runs once per branch point)."""
+    diff = Counter(other)
+    diff.subtract(base)
+    rows = []
+    for k, v in sorted(diff.items(), key=lambda kv: (-abs(kv[1]), kv[0]))[:top]:
+        if not v:
+            continue
+        point = (_per_point(k) if what != "op" else None) or "gemm"
+        per = f"{v / points[point]:+.2f} per {'GEMM' if point == 'gemm' else 'branch'} point"
+        rows.append([k, base.get(k, 0), other.get(k, 0), f"{v:+d}", per])
+    return C.markdown_table([what, "dynamic", "adaptive", "difference", "per point"], rows)
+
+
+def _by_function(by_origin: dict[str, int]) -> dict[str, int]:
+    """Sum ``module.py:function:line`` counts per ``module.py:function``."""
+    out: Counter[str] = Counter()
+    for origin, n in by_origin.items():
+        out[re.sub(r":\d+ \(in ", " (in ", origin)] += n
+    return dict(out)
+
+
+def render_op_counts(info: dict[str, Any], op: dict[str, Any], top: int = 16) -> str:
+    """The op-count table, and where the adaptive steps' extra ops come from (by op and by origin)."""
+    lines = [
+        "### Dispatched ATen ops per training step (GPU-cost proxy: the GPU code path run on the CPU)",
+        "",
+        C.header_line(info),
+        "",
+        "Real CPU FP16 autocast; adaptive scaler with device_path=True, update_every=100, a recompute step "
+        f"forced with recompute_next(); SGD foreach; batch {op['batch']}. Counted with a TorchDispatchMode "
+        "(each op that reaches a kernel, once). Count cells: all ops / of which not views (views launch no "
+        "kernel); reuse cells add how many betas are not 1. Ratio cells: all ops / not views.",
+        "",
+    ]
+    rows = []
+    for name, res in op["models"].items():
+        c, n_gemm = res["counts"], res["points"]["gemm"]
+        row: list[Any] = [C.PRETTY.get(name, name), f"{n_gemm} / {res['points']['branch']}"]
+        for kind in OP_KINDS:
+            cell = f"{c[kind.key]['ops']} / {c[kind.key]['kernels']}"
+            if kind.recompute is False:
+                cell += f" ({c[kind.key]['betas_not_1']} of {n_gemm} betas not 1)"
+            row.append(cell)
+            if kind.goal is not None:
+                r, kr = res["ratios"][kind.key], res["kernel_ratios"][kind.key]
+                verdict = "PASS" if r <= kind.goal else "over goal"
+                row.append(f"{_fmt_x(r)} / {_fmt_x(kr)} (<= {kind.goal:g}x: {verdict})")
+        rows.append(row)
+    headers = ["Model", "GEMM / branch points"]
+    for kind in OP_KINDS:
+        headers.append(kind.label)
+        if kind.goal is not None:
+            headers.append("/ dynamic")
+    lines.append(C.markdown_table(headers, rows, left=2))
+    check = op["batch_check"]
+    same = "the same ops, op for op" if check["equal"] else "DIFFERENT op counts"
+    lines += [
+        "",
+        f"Batch-size check ({C.PRETTY.get(check['model'], check['model'])}, batch "
+        f"{check['batches'][0]} and {check['batches'][1]}): {same} "
+        f"({', '.join(f'{k} {a}/{b}' for k, (a, b) in check['ops'].items())}).",
+    ]
+    notes = {
+        "op": "",
+        "site": "; site: the outermost adaloss frame, the scaler method or autograd node that ran",
+        "origin": "; origin: the function of the innermost adaloss frame, in its site",
+    }
+    for name, res in op["models"].items():
+        c = res["counts"]
+        for kind in OP_KINDS[1:]:
+            extra = c[kind.key]["ops"] - c["dynamic"]["ops"]
+            for what in ("op", "site", "origin"):
+                if kind.recompute is False and what == "origin":
+                    continue  # a reuse step's few extra ops are named by the other two
+                base, other = c["dynamic"][f"by_{what}"], c[kind.key][f"by_{what}"]
+                if what == "origin":  # per function: the JSON keeps the lines
+                    base, other = _by_function(base), _by_function(other)
+                lines += [
+                    "",
+                    f"{C.PRETTY.get(name, name)}, {kind.label}: {extra:+d} ops against dynamic, by {what} "
+                    f"(the largest {top}{notes[what]}):",
+                    "",
+                    _diff_table(base, other, what, res["points"], top),
+                ]
+    return "\n".join(lines)
+
+
 # ------------------------------------------------------------------------------------------------ main
 
 
@@ -757,14 +1080,44 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="seconds-long smoke run: resnet20, batch 8, 2 rounds")
-    p.add_argument("--out", default=str(C.ROOT / "results" / "bench" / "bench.json"))
+    p.add_argument(
+        "--opcounts",
+        choices=("on", "off", "only"),
+        default=None,
+        help="the dispatched-ops table (GPU-cost proxy): on (default; off with --quick), off, or only\n"
+        "(no timing; default --out results/bench/opcounts.json)",
+    )
+    p.add_argument(
+        "--opcount-models",
+        nargs="+",
+        default=None,
+        help=f"models of the dispatched-ops table (default {' '.join(OP_MODELS)})",
+    )
+    p.add_argument(
+        "--opcount-batch",
+        type=int,
+        default=OP_BATCH,
+        help=f"batch of the op counts (default {OP_BATCH}; counts do not depend on it, see the table)",
+    )
+    p.add_argument(
+        "--opcount-top", type=int, default=16, help="rows of each where-the-ops-come-from table (default 16)"
+    )
+    p.add_argument("--out", default=None, help="JSON output (default results/bench/bench.json)")
     args = p.parse_args(argv)
     args.argv = list(argv) if argv is not None else sys.argv[1:]
     models = args.models or (["resnet20"] if args.quick else list(DEFAULT_MODELS))
     args.models = [m for item in models for m in item.split(",") if m]
-    for m in args.models:
+    op_models = args.opcount_models or list(OP_MODELS)
+    args.opcount_models = [m for item in op_models for m in item.split(",") if m]
+    for m in args.models + args.opcount_models:
         if m not in PLAN:
             p.error(f"unknown model '{m}': choose from {', '.join(PLAN)}")
+    for name in ("opcount_batch", "opcount_top"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    args.opcounts = args.opcounts or ("off" if args.quick else "on")
+    name = "opcounts.json" if args.opcounts == "only" else "bench.json"
+    args.out = args.out or str(C.ROOT / "results" / "bench" / name)
     keys = [s.key for s in SPECS]
     chosen = [c for item in (args.configs or keys) for c in item.split(",") if c]
     for c in chosen:
@@ -808,6 +1161,8 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         print(msg, file=sys.stderr, flush=True)
 
     info = C.machine_info()
+    if args.opcounts == "only":
+        return _run_op_counts(args, info, log)
     weights = {m: PLAN[m]["weight"] for m in args.models}
     total_w = sum(weights.values())
     t0 = time.perf_counter()
@@ -848,6 +1203,11 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     ratios = summarize(results, selected_ratios([s.key for s in args.specs]))
     text = render(info, settings, results, ratios)
     print(text, flush=True)
+    op_counts = None
+    if args.opcounts == "on":
+        print(flush=True)
+        op_counts, op_text = _op_count_section(args, info, log)
+        text += "\n\n" + op_text
     payload = {
         "machine": info,
         "settings": settings,
@@ -865,9 +1225,33 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             }
             for r in results
         },
+        "op_counts": op_counts,
         "table_markdown": text,
-        "wall_seconds": time.perf_counter() - t0,
     }
+    return _write(args, payload, t0, log)
+
+
+def _op_count_section(
+    args: argparse.Namespace, info: dict[str, Any], log: Callable[[str], None]
+) -> tuple[dict[str, Any], str]:
+    """Count, print and return the dispatched-ops table (about a minute for ResNet-20 and -110)."""
+    op_counts = measure_op_counts(args.opcount_models, args.opcount_batch, args.seed, log)
+    text = render_op_counts(info, op_counts, args.opcount_top)
+    print(text, flush=True)
+    return op_counts, text
+
+
+def _run_op_counts(args: argparse.Namespace, info: dict[str, Any], log: Callable[[str], None]) -> dict:
+    """``--opcounts only``: the dispatched-ops table alone."""
+    t0 = time.perf_counter()
+    op_counts, text = _op_count_section(args, info, log)
+    settings = {"argv": args.argv, "opcount_models": args.opcount_models, "threads": args.threads}
+    payload = {"machine": info, "settings": settings, "op_counts": op_counts, "table_markdown": text}
+    return _write(args, payload, t0, log)
+
+
+def _write(args: argparse.Namespace, payload: dict[str, Any], t0: float, log: Callable[[str], None]) -> dict:
+    payload["wall_seconds"] = time.perf_counter() - t0
     path = C.write_json(args.out, payload)
     log(f"[bench] wrote {path} ({payload['wall_seconds']:.0f}s)")
     return payload

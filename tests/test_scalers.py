@@ -41,6 +41,7 @@ def _drive(scaler: LossScaler, overflows: list[bool]) -> list[float]:
     optimizer = torch.optim.SGD([param], lr=0.1)
     scales = []
     for bad in overflows:
+        scaler.scale(torch.ones(()))  # as GradScaler, step() needs a scale() first
         param.grad = torch.tensor([1.0, INF if bad else 1.0])
         scaler.step(optimizer)
         scaler.update()
@@ -202,16 +203,17 @@ def test_found_inf_is_all_reduced_under_torch_distributed(make_scaler, monkeypat
         calls.append((tensor.shape, op))
         tensor.fill_(1.0)  # the other rank saw an Inf
 
+    scaler = make_scaler()
+    model = scaler.attach(nn.Linear(2, 1))  # one process while attaching (adaptive: no statistics group)
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler.scale(model(torch.ones(3, 2)).sum()).backward()
     monkeypatch.setattr(base, "distributed_world_size", lambda: 2)
     monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
-    scaler = make_scaler()
-    param = nn.Parameter(torch.zeros(2))
-    optimizer = torch.optim.SGD([param], lr=0.1)
-    param.grad = torch.tensor([1.0, 2.0])
     assert scaler.step(optimizer) is None
     scaler.update()
     assert scaler.last_step_skipped and scaler.skipped_steps == 1
-    assert torch.equal(param.detach(), torch.zeros(2))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
     assert calls == [(torch.Size([]), torch.distributed.ReduceOp.MAX)]
 
 
@@ -263,7 +265,7 @@ def test_only_the_overflowing_optimizer_is_skipped_but_the_scale_backs_off_once(
 # ---------------------------------------------------------------------- unscale_ and the state machine
 
 
-@pytest.mark.parametrize("make_scaler", [lambda: FixedLossScaler(1024), lambda: DynamicLossScaler()])
+@pytest.mark.parametrize("make_scaler", [lambda: FixedLossScaler(scale=1024), lambda: DynamicLossScaler()])
 def test_unscale_gives_true_grads_then_step_applies_them(make_scaler) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 2))
@@ -290,10 +292,9 @@ def test_state_machine_errors() -> None:
     param = nn.Parameter(torch.ones(2))
     optimizer = torch.optim.SGD([param], lr=0.1)
     scaler = DynamicLossScaler()
+    scaler.scale(param.sum()).backward()
     with pytest.raises(RuntimeError, match=re.escape("update() was called before any step()")):
         scaler.update()
-
-    scaler.scale(param.sum()).backward()
     scaler.unscale_(optimizer)
     with pytest.raises(
         RuntimeError,
@@ -316,7 +317,7 @@ def test_state_machine_errors() -> None:
 
 
 def test_scale_handles_nested_sequences() -> None:
-    scaler = FixedLossScaler(4)
+    scaler = FixedLossScaler(scale=4)
     Pair = namedtuple("Pair", "a b")
     out = scaler.scale(
         [torch.ones(2), (torch.ones(1), [torch.full((), 2.0)]), Pair(torch.ones(1), torch.zeros(1))]
@@ -331,7 +332,7 @@ def test_scale_handles_nested_sequences() -> None:
 def test_sparse_gradients_are_unscaled_and_checked() -> None:
     embedding = nn.Embedding(10, 3, sparse=True)
     optimizer = torch.optim.SGD(embedding.parameters(), lr=1.0)
-    scaler = FixedLossScaler(8)
+    scaler = FixedLossScaler(scale=8)
     before = embedding.weight.detach().clone()
     scaler.scale(embedding(torch.tensor([1, 1, 4])).sum()).backward()
     scaler.unscale_(optimizer)
@@ -351,8 +352,10 @@ def test_sparse_gradients_are_unscaled_and_checked() -> None:
 def test_fp16_gradients_are_refused() -> None:
     param = nn.Parameter(torch.ones(2, dtype=torch.float16))
     param.grad = torch.ones(2, dtype=torch.float16)
+    scaler = FixedLossScaler(scale=2)
+    scaler.scale(torch.ones(()))
     with pytest.raises(ValueError, match="FP16 gradients"):
-        FixedLossScaler(2).step(torch.optim.SGD([param], lr=0.1))
+        scaler.step(torch.optim.SGD([param], lr=0.1))
 
 
 def test_update_with_new_scale() -> None:
@@ -373,7 +376,7 @@ def test_update_with_new_scale() -> None:
     "make_scaler",
     [
         lambda: NoLossScaler(enabled=False),
-        lambda: FixedLossScaler(64, enabled=False),
+        lambda: FixedLossScaler(scale=64, enabled=False),
         lambda: DynamicLossScaler(enabled=False),
     ],
 )
@@ -433,9 +436,9 @@ def test_dynamic_state_dict_round_trip_continues_identically() -> None:
 
 
 def test_fixed_state_dict_round_trip_and_mismatch() -> None:
-    fixed = FixedLossScaler(256)
+    fixed = FixedLossScaler(scale=256)
     _drive(fixed, [True, False])
-    other = FixedLossScaler(256)
+    other = FixedLossScaler(scale=256)
     other.load_state_dict(fixed.state_dict())
     assert other.state_dict() == fixed.state_dict()
     assert other.skipped_steps == 1 and other.get_scale() == 256.0
@@ -528,14 +531,14 @@ def test_dynamic_invalid_arguments(kwargs: dict, message: str) -> None:
 @pytest.mark.parametrize("bad", [0, -1, INF, NAN, "abc", "", True, None, [128]])
 def test_fixed_invalid_scale(bad: object) -> None:
     with pytest.raises(ConfigError, match=re.escape(f"scaler.scale must be a positive number, got {bad!r}")):
-        FixedLossScaler(bad)
+        FixedLossScaler(scale=bad)
 
 
 def test_fixed_scale_accepts_numbers_and_numeric_strings() -> None:
     assert FixedLossScaler().get_scale() == 128.0
-    assert FixedLossScaler("1024").get_scale() == 1024.0
-    assert FixedLossScaler(8).get_scale() == 8.0
-    assert _drive(FixedLossScaler(8), [True, False, True]) == [8.0] * 3
+    assert FixedLossScaler(scale="1024").get_scale() == 1024.0
+    assert FixedLossScaler(scale=8).get_scale() == 8.0
+    assert _drive(FixedLossScaler(scale=8), [True, False, True]) == [8.0] * 3
 
 
 # ---------------------------------------------------------------------- build_scaler

@@ -81,6 +81,7 @@ def test_bench_quick_writes_every_ratio(bench, tmp_path: Path, capsys, one_threa
     bench.main([*argv, "--out", str(out)])
     payload = json.loads(out.read_text())
     assert payload["settings"]["clock"] == "cpu" and bench._CLOCK is bench.CLOCKS["wall"]  # restored
+    assert payload["op_counts"] is None  # --quick leaves the op counts out
     assert set(bench.RATIO_KEYS) == set(BENCH_RATIOS)
     for key in BENCH_RATIOS:
         entry = payload["ratios"][f"{key}/resnet20"]
@@ -119,11 +120,15 @@ def test_bench_quick_writes_every_ratio(bench, tmp_path: Path, capsys, one_threa
 
 def test_bench_paired_configs_report_only_their_ratios(bench, tmp_path: Path, capsys, one_thread) -> None:
     """--configs measures a subset (a paired adaptive-versus-dynamic run); ratios needing an unmeasured
-    configuration are left out rather than reported as n/a."""
+    configuration are left out rather than reported as n/a. With --opcounts on (the default of a full
+    run), the op-count table follows the timing and goes into the same JSON."""
     out = tmp_path / "bench.json"
     argv = ["--quick", "--rounds", "1", "--batch", "4", "--configs", "fp16_dynamic,fp16_adaptive_u100"]
-    bench.main([*argv, "--out", str(out)])
+    opcounts = ["--opcounts", "on", "--opcount-models", "resnet20", "--opcount-batch", "1"]
+    bench.main([*argv, *opcounts, "--out", str(out)])
     payload = json.loads(out.read_text())
+    assert set(payload["op_counts"]["models"]) == {"resnet20"}
+    assert "Dispatched ATen ops per training step" in payload["table_markdown"]
     assert [c["key"] for c in payload["settings"]["configs"]] == ["fp16_dynamic", "fp16_adaptive_u100"]
     keys = {e["ratio"] for e in payload["ratios"].values()}
     assert keys == {
@@ -226,6 +231,80 @@ def test_bench_amortized_formulas(bench) -> None:
     assert ratios["fixed_over_none/resnet20"]["pass"] is False
     assert ratios["telemetry100_over_none/resnet20"]["pass"] is False
     assert ratios["adaptive_u100_over_dynamic/resnet20"]["pass"] is True
+
+
+def test_op_counter_counts_each_dispatched_op_once_and_names_its_origin(bench) -> None:
+    import torch
+
+    from adaloss.scalers.base import to_float32
+
+    with bench.OpCounter() as counter:
+        a = torch.ones(3)
+        b = torch.nn.functional.linear(a.view(1, 3), torch.ones(2, 3))  # composite: t + addmm/mm underneath
+        to_float32(1.5)  # a torch.tensor() inside adaloss
+    summary = counter.summary()
+    assert b.shape == (1, 2)
+    assert summary["ops"] == sum(summary["by_op"].values()) == sum(summary["by_origin"].values())
+    assert summary["by_op"]["ones"] == 2 and summary["by_op"]["view"] == 1
+    assert "linear" not in summary["by_op"]  # only what reaches a kernel, once: not the composite itself
+    assert summary["views"] >= 2 and summary["kernels"] == summary["ops"] - summary["views"]
+    adaloss_lines = [o for o in summary["by_origin"] if o.startswith("scalers/base.py:to_float32:")]
+    assert (
+        len(adaloss_lines) == 1 and summary["by_origin"]["torch or a model's forward (no adaloss frame)"] >= 4
+    )
+
+
+def test_bench_op_counts_tiny(bench, tmp_path: Path, capsys, one_thread) -> None:
+    """--opcounts only on ResNet-20 at batch 1: every step kind counted, positive, consistent, batch-free."""
+    out = tmp_path / "opcounts.json"
+    payload = bench.main(
+        ["--opcounts", "only", "--opcount-models", "resnet20", "--opcount-batch", "1", "--out", str(out)]
+    )
+    assert json.loads(out.read_text())["op_counts"] == payload["op_counts"]
+    op = payload["op_counts"]
+    res = op["models"]["resnet20"]
+    assert res["points"] == {"gemm": 20, "branch": 9}  # 19 convolutions + fc; 9 residual additions
+    kinds = [k.key for k in bench.OP_KINDS]
+    assert kinds == ["dynamic", "adaptive_reuse", "adaptive_reuse_low", "adaptive_recompute"]
+    counts = res["counts"]
+    for kind in kinds:
+        c = counts[kind]
+        assert c["ops"] > 0 and 0 < c["kernels"] <= c["ops"], kind
+        assert sum(c["by_op"].values()) == sum(c["by_origin"].values()) == c["ops"], kind
+        assert sum(c["by_site"].values()) == c["ops"], kind
+        assert c["by_op"]["convolution_backward"] >= 19, kind  # every conv has a backward pass
+    # The low alpha_{N+1} regime does what it is for: some betas are not 1 (none are at alpha_{N+1} = 1
+    # on this freshly initialized model), and each costs ops on a reuse step.
+    assert counts["adaptive_reuse_low"]["betas_not_1"] > counts["adaptive_reuse"]["betas_not_1"] == 0
+    assert counts["adaptive_reuse_low"]["ops"] > counts["adaptive_reuse"]["ops"]
+    assert counts["adaptive_recompute"]["ops"] > counts["adaptive_reuse"]["ops"] >= counts["dynamic"]["ops"]
+    for kind in kinds[1:]:
+        assert res["ratios"][kind] == pytest.approx(counts[kind]["ops"] / counts["dynamic"]["ops"])
+    # Recompute work is found where it runs: once per GEMM point, once per branch point.
+    sites = counts["adaptive_recompute"]["by_site"]
+    assert sites["adaptive/ops.py:ScaledGEMM.backward"] > 20 and sites["adaptive/ops.py:Rescale.backward"] > 9
+    assert bench._per_point("adaptive/rules.py:floor_pow2:203 (in Rescale.backward)") == "branch"
+    assert bench._per_point("adaptive/ops.py:ScaledGEMM.backward") == "gemm"
+    assert bench._per_point(bench._NO_FRAME) is None
+    check = op["batch_check"]
+    assert check["batches"] == [1, 2] and check["equal"] is True
+    printed = capsys.readouterr().out
+    assert "| ResNet-20" in printed and "the same ops, op for op" in printed
+    assert "adaptive recompute: +" in printed and "by origin" in printed
+
+
+def test_bench_op_count_switch(bench) -> None:
+    assert bench.parse_args([]).opcounts == "on"
+    assert bench.parse_args(["--quick"]).opcounts == "off"
+    only = bench.parse_args(["--opcounts", "only"])
+    assert only.opcounts == "only" and only.out.endswith("opcounts.json")
+    assert bench.parse_args([]).out.endswith("bench.json")
+    assert bench.parse_args(["--opcount-models", "resnet20,resnet56"]).opcount_models == [
+        "resnet20",
+        "resnet56",
+    ]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--opcount-models", "resnet21"])
 
 
 def test_common_helpers() -> None:

@@ -2,6 +2,36 @@
 
 The package reproduces "Adaptive Loss Scaling for Mixed Precision Training" (Zhao et al.) and compares its
 layer-wise scaler with no scaling, a fixed scale and dynamic backoff. See ``docs/architecture.md``.
+
+The four scalers are importable from here (``from adaloss import AdaptiveLossScaler``), as from
+``adaloss.scalers``. They are looked up on first access, so ``import adaloss`` alone does not import torch.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 __version__ = "0.1.0"
+
+#: Names re-exported from ``adaloss.scalers`` on first access (PEP 562).
+_SCALER_EXPORTS = (
+    "AdaptiveLossScaler",
+    "DynamicLossScaler",
+    "FixedLossScaler",
+    "LossScaler",
+    "NoLossScaler",
+    "build_scaler",
+)
+
+__all__ = ["__version__", *_SCALER_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SCALER_EXPORTS:
+        return getattr(importlib.import_module("adaloss.scalers"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

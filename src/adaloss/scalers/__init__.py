@@ -1,7 +1,8 @@
 """Loss scalers: ``none``, ``fixed``, ``dynamic`` and the paper's layer-wise ``adaptive``.
 
 All share ``LossScaler``'s interface (``torch.amp.GradScaler``'s method names); ``build_scaler`` makes one
-from the ``scaler`` config group.
+from the ``scaler`` config group. ``AdaptiveLossScaler`` is exported here too, imported on first use: its
+module pulls in the torch.fx rewrite, which the other scalers do not need.
 """
 
 from __future__ import annotations
@@ -10,7 +11,14 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from adaloss.errors import ConfigError
-from adaloss.scalers.base import LossScaler, OptState, number_in_range, positive_int, positive_number
+from adaloss.scalers.base import (
+    LossScaler,
+    OptState,
+    ScaleNotCalledError,
+    number_in_range,
+    positive_int,
+    positive_number,
+)
 from adaloss.scalers.dynamic import DynamicLossScaler
 from adaloss.scalers.static import FixedLossScaler, NoLossScaler
 
@@ -19,13 +27,29 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SCALER_NAMES",
+    "AdaptiveLossScaler",
     "DynamicLossScaler",
     "FixedLossScaler",
     "LossScaler",
     "NoLossScaler",
     "OptState",
+    "ScaleNotCalledError",
     "build_scaler",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``AdaptiveLossScaler``, imported from its module on first access (PEP 562)."""
+    if name == "AdaptiveLossScaler":
+        from adaloss.scalers.adaptive import AdaptiveLossScaler
+
+        return AdaptiveLossScaler
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
 
 #: The values ``scaler.name`` accepts, in the order of the paper's tables.
 SCALER_NAMES = ("none", "fixed", "dynamic", "adaptive")

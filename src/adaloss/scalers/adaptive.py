@@ -20,6 +20,9 @@ from adaloss.scalers.base import LossScaler, distributed_world_size
 
 __all__ = ["AdaptiveLossScaler"]
 
+# How alpha_{N+1} regrows and backs off: powers of two, so that every gradient unscales exactly.
+_ALPHA_GROWTH, _ALPHA_BACKOFF = 2.0, 0.5
+
 
 class AdaptiveLossScaler(LossScaler):
     """Layer-wise loss scaling computed from each layer's statistics during the backward pass.
@@ -38,7 +41,7 @@ class AdaptiveLossScaler(LossScaler):
 
     Example::
 
-        scaler = AdaptiveLossScaler(t_uf=1e-3, update_every=100, rule="reference")
+        scaler = AdaptiveLossScaler("cuda", t_uf=1e-3, update_every=100, rule="reference")
         model = scaler.attach(model)          # same parameter objects, new backward pass
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         for x, y in loader:
@@ -96,7 +99,18 @@ class AdaptiveLossScaler(LossScaler):
       per-rank second moments is the global one when all ranks hold equally many samples, as
       ``DistributedSampler`` arranges.
 
+    GradScaler parity: a leading ``device`` (as ``torch.amp.GradScaler("cuda", ...)``, see ``LossScaler``);
+    ``is_enabled()``; ``get_growth_interval``/``set_growth_interval`` for the regrowth of a lowered
+    ``alpha_{N+1}``; ``get_growth_factor()`` is 2.0 and ``get_backoff_factor()`` 0.5, fixed: ``alpha_{N+1}``
+    stays a power of two, so every gradient unscales exactly (their setters accept only those values).
+    Host-device syncs: ``scale``, ``unscale_``, ``recompute_next``, the getters and setters: none;
+    ``step``: one (the Inf/NaN flag); ``update``: one on a step that recomputed the scales (with
+    ``update_every > 1``), else none; ``layer_scales``/``layer_betas``: one (none right after a reuse step);
+    ``branch_rescaled``: one per branch point; ``state_dict``: one per per-layer device tensor.
+
     Args:
+        device (str or torch.device, optional, default=None): As GradScaler's first argument (see
+            ``LossScaler``): ``"cuda"`` without CUDA disables the scaler with a warning.
         t_uf (float, optional, default=1e-3): the tolerated underflow probability per layer (``T_uf``); the
             paper uses 1e-3 throughout.
         update_every (int, optional, default=100): recompute the betas every this many steps.
@@ -127,9 +141,11 @@ class AdaptiveLossScaler(LossScaler):
     """
 
     name = "adaptive"
+    _number_keyword = "t_uf"
 
     def __init__(
         self,
+        device: str | torch.device | None = None,
         t_uf: float = 1e-3,
         update_every: int = 100,
         init_scale: float = 1.0,
@@ -172,7 +188,7 @@ class AdaptiveLossScaler(LossScaler):
         self.u_max = _number(u_max, "scaler.u_max") if u_max is not None else fmt.u_max
         if not 0 < self.u_min < self.u_max:
             raise ConfigError(f"need 0 < scaler.u_min < scaler.u_max, got {self.u_min} and {self.u_max}")
-        super().__init__(init_scale=2.0 ** math.floor(math.log2(init_scale)), enabled=enabled)
+        super().__init__(device, init_scale=2.0 ** math.floor(math.log2(init_scale)), enabled=enabled)
         if not isinstance(device_path, bool):
             raise ConfigError(f"scaler.device_path must be true or false, got {device_path!r}")
         self.device_path = device_path
@@ -249,7 +265,7 @@ class AdaptiveLossScaler(LossScaler):
         """Return ``model`` rewritten for adaptive scaling; parameters and buffers are the same objects.
 
         Raises ``AdaptiveTransformError`` (a ``ConfigError``) naming the construct if the model cannot be
-        rewritten. Call once per scaler.
+        rewritten. Call once per scaler. No host-device sync.
         """
         if not self._enabled:
             return model
@@ -283,7 +299,9 @@ class AdaptiveLossScaler(LossScaler):
         """Multiply the loss by ``alpha_{N+1}`` and arm the backward pass. No host sync.
 
         The first ``scale()`` of an iteration decides whether this iteration recomputes the betas; further
-        calls before ``update()`` (gradient accumulation) reuse that decision and those betas.
+        calls before ``update()`` (gradient accumulation) reuse that decision and those betas. On a recompute
+        step, Algorithm 4's per-layer constants reach the device here, once per device and dtype (a
+        host-to-device copy, not a wait), so that the backward pass copies nothing.
         """
         if not self._enabled:
             return outputs
@@ -322,7 +340,7 @@ class AdaptiveLossScaler(LossScaler):
     def recompute_next(self) -> None:
         """Recompute the betas on the next step, as after an overflow (for instance after changing the
         weights by hand, or to time a recompute step). Call it before that step's forward pass: the
-        forward pass is built for the kind of step that follows (see ``_arm_fused``)."""
+        forward pass is built for the kind of step that follows (see ``_arm_fused``). No host sync."""
         self._force_recompute = True
         self._arm_fused()
 
@@ -382,12 +400,56 @@ class AdaptiveLossScaler(LossScaler):
                         inv = (1.0 / alpha.float()).to(device).reshape(())
                 torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv)
         if not found:
-            return torch.zeros((), dtype=torch.float32, device=self._last_device or "cpu")
+            return torch.zeros((), dtype=torch.float32, device=self._fallback_device())
         flags = list(found.values())
         combined = flags[0]
         for f in flags[1:]:
             combined = combined + f.to(combined.device, non_blocking=True)
         return combined
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """Finish the iteration: count it, and decide what the next one does (see the class docstring).
+
+        ``new_scale`` sets ``alpha_{N+1}``, as GradScaler's ``update(new_scale)`` sets its scale.
+
+        .. note::
+            After a step that recomputed the scales (with ``update_every > 1``) the betas, branch factors and
+            branch alphas are copied to the host here: one host-device sync per recompute. Other steps: no
+            sync (``step()`` has read the Inf/NaN flag already).
+
+        Raises:
+            ScaleNotCalledError: if no ``scale()`` call has been made yet (as GradScaler).
+        """
+        super().update(new_scale)
+
+    # ------------------------------------------------------------------ GradScaler's growth and backoff
+
+    def get_growth_interval(self) -> int:
+        """Clean steps after which a lowered ``alpha_{N+1}`` doubles (never above ``init_scale``). No sync."""
+        return self.growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """Set the growth interval (a positive integer); steps already counted still count. No sync."""
+        self.growth_interval = _integer(new_interval, "scaler.growth_interval")
+
+    def get_growth_factor(self) -> float:
+        """2.0: a lowered ``alpha_{N+1}`` doubles (a power of two, so gradients unscale exactly). No sync."""
+        return _ALPHA_GROWTH
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        """Only 2.0 is accepted (see ``get_growth_factor``), so GradScaler-style code that sets it runs.
+        No sync."""
+        _fixed_factor(new_factor, _ALPHA_GROWTH, "growth", "doubles")
+
+    def get_backoff_factor(self) -> float:
+        """0.5: ``alpha_{N+1}`` halves after two overflowing steps in a row (the first one only recomputes
+        the betas). No sync."""
+        return _ALPHA_BACKOFF
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """Only 0.5 is accepted (see ``get_backoff_factor``), so GradScaler-style code that sets it runs.
+        No sync."""
+        _fixed_factor(new_factor, _ALPHA_BACKOFF, "backoff", "halves")
 
     def _update_scale(self, found_inf: bool) -> None:
         """Count the iteration; on an update step copy betas and branch factors to the host (one sync)."""
@@ -401,7 +463,7 @@ class AdaptiveLossScaler(LossScaler):
             self._consecutive_overflows += 1
             self._clean_steps = 0
             if self._consecutive_overflows >= 2:
-                self._set_loss_scale(max(self._loss_scale / 2.0, 2.0**-24))
+                self._set_loss_scale(max(self._loss_scale * _ALPHA_BACKOFF, 2.0**-24))
             if state is not None:
                 state.drop_host_copies()
             self._arm_fused()
@@ -410,7 +472,7 @@ class AdaptiveLossScaler(LossScaler):
         self._consecutive_overflows = 0
         self._clean_steps += 1
         if self._clean_steps >= self.growth_interval and self._loss_scale < self._init_scale:
-            self._set_loss_scale(min(self._loss_scale * 2.0, self._init_scale))
+            self._set_loss_scale(min(self._loss_scale * _ALPHA_GROWTH, self._init_scale))
             self._clean_steps = 0
             self._force_recompute = True
         if state is not None and self._recomputing and self.update_every > 1 and not state.host:
@@ -497,7 +559,7 @@ class AdaptiveLossScaler(LossScaler):
         return {n: bool(v) for n, v in zip(names, values, strict=True)}
 
     def loss_scale_metric(self) -> dict[str, float]:
-        """What the logger records as the loss scale: ``layer_scales()``."""
+        """What the logger records as the loss scale: ``layer_scales()`` (and its one sync)."""
         return self.layer_scales()
 
     def _scales_and_betas(self) -> tuple[dict[str, float], dict[str, float]]:
@@ -618,6 +680,16 @@ class AdaptiveLossScaler(LossScaler):
         # Points without scales in the checkpoint are fine only under the requires_grad flags they were
         # computed with, which the checkpoint does not hold: a partial state recomputes once.
         state.reach_sig = None
+
+
+def _fixed_factor(value: Any, fixed: float, kind: str, verb: str) -> None:
+    """Accept ``value`` only if it is the fixed ``fixed`` (setting it again is harmless)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or float(value) != fixed:
+        raise ValueError(
+            f"the adaptive scaler's {kind} factor is fixed at {fixed:g} (alpha_{{N+1}} {verb}, a power of "
+            f"two, so gradients unscale exactly), got {value!r}; tune scaler.growth_interval, t_uf or "
+            "init_scale instead"
+        )
 
 
 def _first_tensor(value: Any) -> torch.Tensor:

@@ -14,11 +14,19 @@ Distributed data parallel: when ``torch.distributed`` is initialized with more t
 flag is all-reduced (MAX) before ``step()`` reads it (:func:`reduce_found_inf`), so every rank skips the same
 steps and, since the scale is updated from that flag alone, every rank keeps the same scale. The cost is one
 one-float collective per optimizer per iteration and no extra host sync.
+
+Host-device synchronization, per method (on a GPU the host waits for the device at a sync; on the CPU there
+is nothing to wait for): ``scale``, ``unscale_``, ``attach``, ``is_enabled``, the growth and backoff getters
+and setters: none. ``step``: one, to read the Inf/NaN flag, as in ``GradScaler``. ``update``: none after
+``step`` (the adaptive scaler: one more on each step that recomputed its scales, with ``update_every > 1``).
+``get_scale``: none (the scale is a host float; ``GradScaler`` syncs here). Each method's docstring says
+its own.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 from enum import Enum
@@ -29,7 +37,7 @@ from torch import nn
 
 from adaloss.errors import ConfigError
 
-__all__ = ["LossScaler", "OptState"]
+__all__ = ["LossScaler", "OptState", "ScaleNotCalledError"]
 
 _Outputs = TypeVar("_Outputs")
 
@@ -40,6 +48,15 @@ class OptState(Enum):
     READY = 0
     UNSCALED = 1
     STEPPED = 2
+
+
+class ScaleNotCalledError(AssertionError, RuntimeError):
+    """``unscale_``, ``step`` or ``update`` was called on a scaler that has never scaled a loss.
+
+    ``torch.amp.GradScaler`` raises an ``AssertionError`` in exactly this case (its scale tensor is created by
+    the first ``scale()``), so code written for it that catches ``AssertionError`` keeps working; it is also a
+    ``RuntimeError``, like the scalers' other call-order errors.
+    """
 
 
 @dataclass
@@ -77,9 +94,26 @@ class LossScaler:
                 lr_schedule.step()  # a skipped step must not advance the schedule
 
     The method names and their semantics are those of ``torch.amp.GradScaler``, so a reader who knows it can
-    read this loop. Two differences: every enabled scaler, ``none`` included, skips and counts a step with
-    Inf/NaN gradients, so a diverging FP16 run shows up as skipped steps rather than NaN weights; and the
-    scale lives on the host (see ``get_scale``).
+    read this loop: a leading ``device`` argument (``DynamicLossScaler("cuda", init_scale=2.0**16)``),
+    ``unscale_``/``step``/``update`` before any ``scale()`` raise (:class:`ScaleNotCalledError`, an
+    ``AssertionError`` as in GradScaler), ``is_enabled()``, and the growth and backoff getters and setters
+    where the scaler has a growth or backoff rule:
+
+    ========================  ==================  ==================  ======================================
+    scaler                    ``growth_factor``   ``backoff_factor``  ``growth_interval``
+    ========================  ==================  ==================  ======================================
+    ``DynamicLossScaler``     get and set         get and set         get and set
+    ``AdaptiveLossScaler``    get (2.0, fixed)    get (0.5, fixed)    get and set (``alpha_{N+1}``'s regrowth)
+    ``FixedLossScaler``       none                none                none
+    ``NoLossScaler``          none                none                none
+    ========================  ==================  ==================  ======================================
+
+    The scale of ``fixed`` and ``none`` never changes, so they have none of the six methods (an
+    ``AttributeError``, as for any missing method; ``hasattr(scaler, "set_growth_factor")`` tells which kind
+    a scaler is). Differences from GradScaler: every enabled scaler, ``none`` included, skips and counts a
+    step with Inf/NaN gradients, so a diverging FP16 run shows up as skipped steps rather than NaN weights;
+    the scale lives on the host (see ``get_scale``); and ``device`` defaults to ``None`` (GradScaler's default
+    is ``"cuda"``), so the same code runs on a machine without a GPU.
 
     Extending: a subclass supplies
 
@@ -93,6 +127,11 @@ class LossScaler:
     * ``loss_scale_metric()``: what the logger records (default: ``get_scale()``).
 
     Args:
+        device (str or torch.device, optional, default=None): The device type the scaler is used with,
+            GradScaler's first argument (``"cuda"``, ``"cpu"``, ...; ``"cuda:1"`` counts as ``"cuda"``).
+            What it does, as in GradScaler: ``"cuda"`` on a machine without CUDA disables the scaler with a
+            warning, and ``update(new_scale=tensor)`` requires a tensor of this device type. The scale
+            itself goes to whatever device the loss is on, so ``None`` (any device) works everywhere.
         init_scale (float, optional, default=1.0): The loss scale before any update.
         enabled (bool, optional, default=True): If ``False``, every method is a no-op passthrough:
             ``scale`` returns its argument, ``step`` just calls ``optimizer.step()``, ``update`` does nothing
@@ -103,9 +142,21 @@ class LossScaler:
     state_dict_key: ClassVar[str] = "scaler"
     #: The ``scaler.name`` config value that builds this class; stored in the checkpoint to catch mix-ups.
     name: ClassVar[str] = "base"
+    #: The argument a number given in ``device``'s place most likely meant (for the error message).
+    _number_keyword: ClassVar[str] = "init_scale"
 
-    def __init__(self, init_scale: float = 1.0, enabled: bool = True) -> None:
+    def __init__(
+        self, device: str | torch.device | None = None, init_scale: float = 1.0, enabled: bool = True
+    ) -> None:
+        self._device = device_type(device, type(self).__name__, self._number_keyword)
         self._enabled = bool(enabled)
+        if self._enabled and self._device == "cuda" and torch.cuda.amp.common.amp_definitely_not_available():
+            warnings.warn(
+                f"{type(self).__name__} is enabled for device 'cuda', but CUDA is not available. Disabling.",
+                stacklevel=3,
+            )
+            self._enabled = False
+        self._has_scaled = False  # GradScaler's "_scale is None": no scale() call yet
         self._loss_scale = to_float32(init_scale)
         self._scale_cache: dict[torch.device, torch.Tensor] = {}
         self._last_device: torch.device | None = None
@@ -132,7 +183,8 @@ class LossScaler:
         return self._last_step_skipped
 
     def is_enabled(self) -> bool:
-        """Whether this scaler does anything (``enabled=False`` makes every method a passthrough)."""
+        """Whether this scaler does anything (``enabled=False``, or ``device="cuda"`` without CUDA, makes
+        every method a passthrough). No host-device sync."""
         return self._enabled
 
     # ------------------------------------------------------------------ the training-loop API
@@ -140,7 +192,8 @@ class LossScaler:
     def attach(self, model: nn.Module) -> nn.Module:
         """Return the module to train. Scalers that act inside the backward pass return a transformed module.
 
-        The base scalers act on the loss and the gradients only, so they return ``model`` unchanged.
+        The base scalers act on the loss and the gradients only, so they return ``model`` unchanged. No
+        host-device sync.
         """
         return model
 
@@ -155,6 +208,7 @@ class LossScaler:
         """
         if not self._enabled:
             return outputs
+        self._has_scaled = True
         return self._scale_nested(outputs)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
@@ -175,10 +229,12 @@ class LossScaler:
             therefore call ``unscale_``/``step`` for the same optimizers in the same order.
 
         Raises:
+            ScaleNotCalledError: if no ``scale()`` call has been made yet (as GradScaler).
             RuntimeError: if called twice for ``optimizer`` before ``update()``, or after ``step()``.
         """
         if not self._enabled:
             return
+        self._check_scaled("unscale_")
         record = self._per_optimizer[id(optimizer)]
         if record.stage is OptState.UNSCALED:
             raise RuntimeError(
@@ -209,12 +265,18 @@ class LossScaler:
         .. note::
             Closures are not supported. Optimizers that can unscale inside a fused kernel
             (``_step_supports_amp_scaling``) are driven like any other: correct, but unfused.
+
+        Raises:
+            ScaleNotCalledError: if no ``scale()`` call has been made yet: GradScaler raises an
+                ``AssertionError`` then, and so does this (the class is both).
+            RuntimeError: for a closure, or a second ``step()`` on ``optimizer`` before ``update()``.
         """
         if not self._enabled:
             self._last_step_skipped = False
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs or (args and callable(args[0])):
             raise RuntimeError("step() does not support closures while loss scaling is enabled.")
+        self._check_scaled("step")
         record = self._per_optimizer[id(optimizer)]
         if record.stage is OptState.STEPPED:
             raise RuntimeError("step() has already been called on this optimizer since the last update().")
@@ -243,11 +305,15 @@ class LossScaler:
             ``new_scale``.
 
         Raises:
+            ScaleNotCalledError: if no ``scale()`` call has been made yet (as GradScaler).
             RuntimeError: if neither ``step()`` nor ``unscale_()`` was called since the last ``update()`` and
                 no ``new_scale`` is given.
+            ValueError: for a ``new_scale`` that is not a finite positive number, or a tensor with more than
+                one element, with ``requires_grad``, or on another device type than the scaler's ``device``.
         """
         if not self._enabled:
             return
+        self._check_scaled("update")
         records = list(self._per_optimizer.values())
         if not records and new_scale is None:
             raise RuntimeError(
@@ -258,6 +324,8 @@ class LossScaler:
         if found_inf:
             self._overflow_count += 1
         if new_scale is not None:
+            if isinstance(new_scale, torch.Tensor):
+                self._check_new_scale_tensor(new_scale)
             value = float(new_scale.item()) if isinstance(new_scale, torch.Tensor) else float(new_scale)
             if not (math.isfinite(value) and value > 0.0):
                 raise ValueError(f"update(new_scale=...) needs a finite positive scale, got {value!r}")
@@ -276,7 +344,7 @@ class LossScaler:
         return self._loss_scale if self._enabled else 1.0
 
     def loss_scale_metric(self) -> float | dict[str, float]:
-        """What the logger records as the loss scale: here the scalar scale (costs as ``get_scale``)."""
+        """What the logger records as the loss scale: here the scalar scale (no sync, as ``get_scale``)."""
         return self.get_scale()
 
     def state_dict(self) -> dict[str, Any]:
@@ -284,7 +352,8 @@ class LossScaler:
 
         Holds ``name``, ``scale``, the counters ``skipped_steps``, ``overflow_count``, ``last_step_skipped``
         and the subclass's ``_extra_state()``. Hyperparameters (growth factor, interval, ...) come from the
-        config, not from the checkpoint, so a resumed run may change them. Call after ``update()``.
+        config, not from the checkpoint, so a resumed run may change them. Call after ``update()``. No sync
+        here (the adaptive scaler's per-layer state costs one per device tensor: checkpoint steps only).
         """
         if not self._enabled:
             return {}
@@ -414,13 +483,36 @@ class LossScaler:
                     torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv)
                 flags.append(found_inf)
         if not flags:
-            return torch.zeros((), dtype=torch.float32, device=self._last_device or "cpu")
+            return torch.zeros((), dtype=torch.float32, device=self._fallback_device())
         combined = flags[0]
         for flag in flags[1:]:
             combined = combined + flag.to(combined.device, non_blocking=True)
         return combined
 
     # ------------------------------------------------------------------ internals
+
+    def _check_scaled(self, method: str) -> None:
+        """GradScaler's condition for ``unscale_``/``step``/``update``: some loss was scaled before."""
+        if not self._has_scaled:
+            raise ScaleNotCalledError(
+                f"{type(self).__name__}.{method}() was called before any scaler.scale(loss): the gradients "
+                "were not made with this scaler's scale. Call scaler.scale(loss).backward() first "
+                "(torch.amp.GradScaler raises here too)."
+            )
+
+    def _check_new_scale_tensor(self, new_scale: torch.Tensor) -> None:
+        """GradScaler's rules for a tensor ``update(new_scale=...)``: one element, no grad, the scaler's
+        device type (when it was given one)."""
+        if new_scale.numel() != 1 or new_scale.requires_grad:
+            raise ValueError(
+                "update(new_scale=...) takes a float or a 1-element tensor with requires_grad=False, got a "
+                f"tensor of shape {tuple(new_scale.shape)} (requires_grad={new_scale.requires_grad})"
+            )
+        if self._device is not None and new_scale.device.type != self._device:
+            raise ValueError(
+                f"update(new_scale=...) got a tensor on '{new_scale.device.type}' but this scaler was made "
+                f"for device '{self._device}'; pass a float or a tensor on '{self._device}'"
+            )
 
     def _scale_nested(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor):
@@ -432,6 +524,11 @@ class LossScaler:
         raise TypeError(
             f"scale() takes a Tensor or a (nested) list/tuple of Tensors, got {type(value).__name__}"
         )
+
+    def _fallback_device(self) -> torch.device | str:
+        """Where a found-inf flag lives when no gradient says: the last ``scale()``'s device, else the
+        scaler's ``device``, else the CPU."""
+        return self._last_device or self._device or "cpu"
 
     @staticmethod
     def _record_found_inf(record: _OptimizerRecord) -> bool:
@@ -455,6 +552,33 @@ def distributed_world_size() -> int:
     if not (dist.is_available() and dist.is_initialized()):
         return 1
     return dist.get_world_size()
+
+
+def device_type(device: Any, owner: str = "LossScaler", keyword: str = "init_scale") -> str | None:
+    """The device type of GradScaler's leading ``device`` argument: ``"cuda"`` for ``"cuda"``, ``"cuda:1"``
+    or ``torch.device("cuda", 1)``; ``None`` stays ``None`` (any device).
+
+    Raises:
+        TypeError: for anything but a string or ``torch.device``, a number in particular: the first
+            positional argument is the device, as in GradScaler, not a scale.
+        ValueError: for a string that names no device type.
+    """
+    if device is None:
+        return None
+    if isinstance(device, torch.device):
+        return device.type
+    if not isinstance(device, str):
+        raise TypeError(
+            f"{owner}'s first argument is the device, as in torch.amp.GradScaler('cuda', ...): a string such "
+            f"as 'cuda' or 'cpu', or a torch.device, got {device!r}; pass it by keyword: "
+            f"{owner}(..., {keyword}={device!r})"
+        )
+    try:
+        return torch.device(device).type
+    except (RuntimeError, ValueError):
+        raise ValueError(
+            f"{owner} got device {device!r}, which names no device type; use e.g. 'cuda' or 'cpu'"
+        ) from None
 
 
 def reduce_found_inf(found_inf: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
+
 from adaloss.errors import ConfigError
 from adaloss.scalers.base import (
     LossScaler,
@@ -31,7 +33,7 @@ class DynamicLossScaler(LossScaler):
 
     Example::
 
-        scaler = DynamicLossScaler(init_scale=2.0**16, growth_interval=2000)
+        scaler = DynamicLossScaler("cuda", init_scale=2.0**16, growth_interval=2000)  # GradScaler's call
         for x, y in loader:
             optimizer.zero_grad(set_to_none=True)
             with precision.autocast():
@@ -55,7 +57,16 @@ class DynamicLossScaler(LossScaler):
 
     The update runs on the host from the Inf/NaN flag ``step()`` has already read, so it adds no sync.
 
+    The first six parameters are ``torch.amp.GradScaler``'s, in its order (positional calls mean the same);
+    the bounds and hysteresis are keyword-only. ``get_growth_factor``/``set_growth_factor``,
+    ``get_backoff_factor``/``set_backoff_factor`` and ``get_growth_interval``/``set_growth_interval`` read
+    and change the rule between iterations, as in GradScaler (host floats, no sync). One difference: a
+    growth interval lowered below the current count of clean iterations grows the scale at the next clean
+    iteration; GradScaler compares for equality and then never grows until the next overflow.
+
     Args:
+        device (str or torch.device, optional, default=None): As GradScaler's first argument (see
+            ``LossScaler``); GradScaler's default is ``"cuda"``.
         init_scale (float, optional, default=2.**16): Initial scale factor.
         growth_factor (float, optional, default=2.0): Factor (> 1) applied to the scale after
             ``growth_interval`` consecutive clean iterations.
@@ -63,6 +74,7 @@ class DynamicLossScaler(LossScaler):
             overflow that exhausts the hysteresis.
         growth_interval (int, optional, default=2000): Number of consecutive clean iterations before the scale
             grows.
+        enabled (bool, optional, default=True): If ``False``, every method is a passthrough.
         min_scale (float or None, optional, default=1.0): Floor for backoff. Below 1 the scale no longer
             fights overflow of the scaled loss; it only answers NaNs the model makes on its own, and shrinking
             further adds underflow and, at 0, turns NaN steps into silent zero-gradient steps. ``None`` or
@@ -72,34 +84,32 @@ class DynamicLossScaler(LossScaler):
             every overflow, as GradScaler does.
         consecutive_hysteresis (bool, optional, default=False): Refill the hysteresis after every clean
             iteration rather than only when the scale grows (DeepSpeed's option of the same name).
-        enabled (bool, optional, default=True): If ``False``, every method is a passthrough.
 
     Raises:
-        ConfigError: for an argument outside its range, naming it and an example value.
+        ConfigError: for an argument outside its range, naming it and an example value (the setters too).
+        TypeError: if the first positional argument is a number rather than a device.
     """
 
     name = "dynamic"
 
     def __init__(
         self,
+        device: str | torch.device | None = None,
         init_scale: Any = 2.0**16,
         growth_factor: Any = 2.0,
         backoff_factor: Any = 0.5,
         growth_interval: Any = 2000,
+        enabled: bool = True,
+        *,
         min_scale: Any = 1.0,
         max_scale: Any = None,
         hysteresis: Any = 1,
         consecutive_hysteresis: bool = False,
-        enabled: bool = True,
     ) -> None:
         init = positive_number(init_scale, "scaler.init_scale", "65536")
-        self._growth_factor = number_in_range(
-            growth_factor, "scaler.growth_factor", 1.0, math.inf, "> 1", "2"
-        )
-        self._backoff_factor = number_in_range(
-            backoff_factor, "scaler.backoff_factor", 0.0, 1.0, "between 0 and 1 (exclusive)", "0.5"
-        )
-        self._growth_interval = positive_int(growth_interval, "scaler.growth_interval", "2000")
+        self.set_growth_factor(growth_factor)
+        self.set_backoff_factor(backoff_factor)
+        self.set_growth_interval(growth_interval)
         self._min_scale = optional_bound(min_scale, "scaler.min_scale", "1", allow_zero=True) or 0.0
         self._max_scale = optional_bound(max_scale, "scaler.max_scale", "16777216", allow_zero=False)
         self._hysteresis = positive_int(hysteresis, "scaler.hysteresis", "2")
@@ -115,9 +125,36 @@ class DynamicLossScaler(LossScaler):
                 f"[{self._min_scale:g}, {self._max_scale if self._max_scale is not None else math.inf:g}]; "
                 "choose an init_scale inside it"
             )
-        super().__init__(init_scale=init, enabled=enabled)
+        super().__init__(device, init_scale=init, enabled=enabled)
         self._growth_tracker = 0  # clean iterations in a row since the last overflow or growth
         self._hysteresis_tracker = self._hysteresis  # overflows left before the next one backs off (1: now)
+
+    def get_growth_factor(self) -> float:
+        """The factor the scale grows by after ``growth_interval`` clean iterations. No sync."""
+        return self._growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        """Set the growth factor (a number > 1), effective at the next growth. No sync."""
+        self._growth_factor = number_in_range(new_factor, "scaler.growth_factor", 1.0, math.inf, "> 1", "2")
+
+    def get_backoff_factor(self) -> float:
+        """The factor the scale backs off by after an overflow. No sync."""
+        return self._backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """Set the backoff factor (strictly between 0 and 1), effective at the next backoff. No sync."""
+        self._backoff_factor = number_in_range(
+            new_factor, "scaler.backoff_factor", 0.0, 1.0, "between 0 and 1 (exclusive)", "0.5"
+        )
+
+    def get_growth_interval(self) -> int:
+        """How many consecutive clean iterations grow the scale. No sync."""
+        return self._growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """Set the growth interval (a positive integer). The clean iterations already counted still count:
+        if they reach the new interval, the next clean iteration grows the scale. No sync."""
+        self._growth_interval = positive_int(new_interval, "scaler.growth_interval", "2000")
 
     @property
     def growth_tracker(self) -> int:
@@ -141,7 +178,7 @@ class DynamicLossScaler(LossScaler):
         if self._consecutive_hysteresis:
             self._hysteresis_tracker = self._hysteresis
         self._growth_tracker += 1
-        if self._growth_tracker == self._growth_interval:
+        if self._growth_tracker >= self._growth_interval:  # >=: the interval may have been lowered
             self._growth_tracker = 0
             self._hysteresis_tracker = self._hysteresis
             grown = to_float32(self._loss_scale * self._growth_factor)

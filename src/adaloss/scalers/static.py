@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from adaloss.scalers.base import LossScaler, positive_number
 
 __all__ = ["FixedLossScaler", "NoLossScaler"]
@@ -30,15 +32,20 @@ class NoLossScaler(LossScaler):
             scaler.step(optimizer)
             scaler.update()
 
+    Its scale never changes, so it has no growth or backoff getters and setters (see ``LossScaler``).
+
     Args:
+        device (str or torch.device, optional, default=None): As GradScaler's first argument (see
+            ``LossScaler``): ``"cuda"`` without CUDA disables the scaler with a warning.
         enabled (bool, optional, default=True): If ``False``, every method is a passthrough and Inf/NaN steps
             are applied, as with no scaler at all.
     """
 
     name = "none"
+    _number_keyword = "enabled"
 
-    def __init__(self, enabled: bool = True) -> None:
-        super().__init__(init_scale=1.0, enabled=enabled)
+    def __init__(self, device: str | torch.device | None = None, enabled: bool = True) -> None:
+        super().__init__(device, init_scale=1.0, enabled=enabled)
 
     def _set_loss_scale(self, value: float) -> None:
         if value != 1.0:
@@ -62,7 +69,7 @@ class FixedLossScaler(LossScaler):
 
     Example::
 
-        scaler = FixedLossScaler(scale=128)
+        scaler = FixedLossScaler("cuda", scale=128)  # or FixedLossScaler(scale=128): any device
         for x, y in loader:
             optimizer.zero_grad(set_to_none=True)
             loss = criterion(model(x), y)
@@ -70,16 +77,24 @@ class FixedLossScaler(LossScaler):
             scaler.step(optimizer)
             scaler.update()
 
+    Its scale never changes, so it has no growth or backoff getters and setters (see ``LossScaler``).
+
     Args:
+        device (str or torch.device, optional, default=None): As GradScaler's first argument (see
+            ``LossScaler``); the scale comes second and is best passed by keyword.
         scale (float, optional, default=128): The constant loss scale; a finite positive number (numeric
             strings from the command line are accepted).
         enabled (bool, optional, default=True): If ``False``, every method is a passthrough.
 
     Raises:
         ConfigError: if ``scale`` is not a finite positive number.
+        TypeError: if the first positional argument is a number rather than a device.
     """
 
     name = "fixed"
+    _number_keyword = "scale"
 
-    def __init__(self, scale: Any = 128.0, enabled: bool = True) -> None:
-        super().__init__(init_scale=positive_number(scale, "scaler.scale", "128"), enabled=enabled)
+    def __init__(
+        self, device: str | torch.device | None = None, scale: Any = 128.0, enabled: bool = True
+    ) -> None:
+        super().__init__(device, init_scale=positive_number(scale, "scaler.scale", "128"), enabled=enabled)
