@@ -3,7 +3,6 @@ and a clean fallback when they cannot be used."""
 
 from __future__ import annotations
 
-import math
 import os
 import platform
 import subprocess
@@ -12,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from adaloss.adaptive.rules import ScaleRule, backward_fan_in, gemm_loss_scale, weight_factors
+from adaloss.adaptive.rules import ScaleRule, backward_fan_in, gemm_loss_scale, grad_stats, weight_factors
 from adaloss.numerics import get_format, native, round_to_format
 from adaloss.numerics.formats import round_to_format_
 
@@ -201,7 +200,7 @@ RULE_CASES = {
 def test_kernel_beta_equals_the_torch_path(case):
     """The kernel's beta is the torch path's beta under every rule, over gradients from tiny (large beta) to
     huge (overflow bound, beta below one), incoming alphas beyond the accumulation bound, all-zero
-    gradients and NaN gradients."""
+    gradients and NaN gradients: the same float32 steps (ScaleRule.beta)."""
     fp16 = get_format("fp16")
     rule = ScaleRule(u_min=fp16.u_min, u_max=fp16.u_max, t_uf=1e-3, **RULE_CASES[case])
     g = torch.Generator().manual_seed(4)
@@ -215,22 +214,23 @@ def test_kernel_beta_equals_the_torch_path(case):
             delta.zero_()
         if i == 1:
             delta[0, 0, 0, 0] = float("nan")
-        consts = [rule.layer_constants(w.numel(), backward_fan_in("conv", w.shape))]
-        factors = native.weight_factors([w], consts)[0]
+        a, b = rule.layer_constants(w.numel(), backward_fan_in("conv", w.shape))
+        fast = native.weight_factors([w], [(rule.lower_constant(a, delta.numel()), b)])[0]
         _, stats = native.grad_stats(delta, False)
-        beta, beta_float = native.beta_host(
-            factors, stats, math.sqrt(delta.numel()), rule.flags, rule.cap(alpha)
-        )
+        beta, beta_float = native.beta_host(fast, stats, rule.flags, *rule.caps, alpha)
         assert beta_float == float(beta)
+        factors = torch.cat([fast, torch.tensor(rule.caps)])
         with native.disabled():
-            ref = gemm_loss_scale(w, delta, rule, alpha_in=alpha, factors=factors, stats=stats)
-            ref_device_alpha = gemm_loss_scale(
-                w, delta, rule, alpha_in=torch.tensor(alpha), factors=factors, stats=stats
-            )
+            one = torch.ones(())
+            ref = gemm_loss_scale(w, delta, rule, factors=factors, stats=grad_stats(delta, alpha, one))
+            device_alpha = grad_stats(delta, torch.tensor(alpha), one)
+            ref_device_alpha = gemm_loss_scale(w, delta, rule, factors=factors, stats=device_alpha)
         assert beta.dtype == ref.dtype and beta.shape == ref.shape
         assert torch.equal(beta, ref), (i, beta, ref)
         assert torch.equal(beta, ref_device_alpha), (i, beta, ref_device_alpha)
         below_one += beta_float < 1
+        if i in (0, 1):  # no statistics (all zero) or NaN: scale 1, under the caps
+            assert beta_float == min(1.0, rule.caps[1] / alpha)
     # the rules that allow it reach below one in this range (overflow or accumulation bound); the others never
     allows = case != "paper"
     assert (below_one > 0) == allows, below_one
@@ -256,11 +256,12 @@ def test_weight_factors_kernel_matches_the_torch_path():
         for w, k in zip(weights, kinds, strict=True)
     ]
     fast = native.weight_factors(weights, consts)
-    ref = weight_factors(weights, torch.tensor(consts, dtype=torch.float32))
-    for a, b in zip(fast.unbind(0), ref, strict=True):
-        assert a.dtype == b.dtype == torch.float32 and a.shape == b.shape == (3,)
-        assert torch.equal(a[1:], b[1:])  # B / max|W|: the max is exact either way
+    ref = weight_factors(weights, torch.tensor([[a, b, *rule.caps] for a, b in consts], dtype=torch.float32))
+    for a, b in zip(fast.unbind(0), ref.unbind(0), strict=True):
+        assert a.dtype == b.dtype == torch.float32 and a.shape == (3,) and b.shape == (5,)
+        assert torch.equal(a[1:], b[1:3])  # B / max|W|: the max is exact either way
         assert abs(float(a[0]) / float(b[0]) - 1) < 1e-6  # the norms differ only in accumulation order
+        assert (b[3].item(), b[4].item()) == rule.caps
     # B = u_max / F for the reference rule: F = 64 * 3 * 3 for the second weight, whose max is 7.5
     assert abs(float(fast[1][1]) * 7.5 * (64 * 9) / fp16.u_max - 1) < 1e-6
 

@@ -60,6 +60,7 @@ import torch.nn.functional as F
 
 from adaloss.adaptive.rules import (
     ScaleRule,
+    _low,
     branch_loss_scale,
     branch_loss_scale_host,
     gemm_loss_scale,
@@ -83,12 +84,6 @@ __all__ = [
 def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype Algorithm 4's statistics of a tensor are taken in: float64 for float64, else float32."""
     return torch.float64 if dtype is torch.float64 else torch.float32
-
-
-def _max_abs(x: torch.Tensor) -> torch.Tensor:
-    """max|x| in one pass without a temporary (aminmax; ``vector_norm(ord=inf)`` is several times slower)."""
-    lo, hi = torch.aminmax(x)
-    return torch.maximum(-lo, hi)
 
 
 @dataclass
@@ -219,9 +214,13 @@ class AdaptiveState:
         # the weight each GEMM point's forward used, for the batched weight statistics
         self.fwd_weight: list[torch.Tensor | None] = []
         self._weight_factors: list[torch.Tensor | None] | None = None
-        # every GEMM point's (A, B) (GemmPoint.constants) as a [points, 2] tensor per (device, dtype): made
-        # when the scaler is armed (``prepare_constants``), so no backward pass copies host data to a device
-        self._constants: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        # Algorithm 4's per-layer constants on the devices (``prepare_constants``): per (device, dtype) the
+        # table for the current output sizes, tables cached by sizes, and a 0-dim 1
+        self.n_g: list[int] = []  # each point's output size in its latest recorded forward pass
+        self._caps_cpu = torch.tensor(rule.caps, dtype=torch.float32)  # beside native (CPU) factors
+        self._table: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        self._tables: dict[tuple[torch.device, torch.dtype], dict[tuple, torch.Tensor]] = {}
+        self._one: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         # input gradients made by GEMM points that feed a branch directly (see ``GemmPoint.feeds``)
         self.fresh: dict[tuple[int, int], torch.Tensor] = {}
         # statistics GradRound took of a rounded gradient, keyed by id() of that tensor (see GradRound)
@@ -250,7 +249,8 @@ class AdaptiveState:
 
     def add_gemm(self, name: str, fan_in: int = 1, n_weights: int = 1) -> GemmPoint:
         point = GemmPoint(len(self.gemms), name, fan_in, self.rule.layer_constants(n_weights, fan_in))
-        self._constants = {}
+        self.n_g.append(1)
+        self._table, self._tables = {}, {}
         point.out_slot = self.new_slot()
         self.gemms.append(point)
         self.beta.append(None)
@@ -339,9 +339,7 @@ class AdaptiveState:
         if self.record is None:
             at = self.num_slots
             gemm, consts = [], []
-            scale_ub = self.rule.scale_upper_bound
-            accum_ub = self.rule.accum_upper_bound
-            bounds = (math.inf if scale_ub is None else scale_ub, math.inf if accum_ub is None else accum_ub)
+            bounds = self.rule.caps
             for p in self.gemms:
                 gemm.append((p.in_slot, p.out_slot, at, self.rule.flags))
                 consts.append((*p.constants, *bounds))
@@ -490,36 +488,66 @@ class AdaptiveState:
         return a
 
     def prepare_constants(self, weights: list[torch.Tensor]) -> None:
-        """Make every GEMM point's ``(A, B)`` available on the device, in the dtype, in which ``weights``'
-        statistics are taken (float64 for float64 weights, else float32): one host-to-device copy per new
-        (device, dtype), here rather than in a backward pass. The scaler calls this from ``scale()``."""
+        """Put Algorithm 4's constants where the coming backward pass computes its statistics (the
+        devices, and float64 for float64 weights else float32, of ``weights``): per (device, dtype) a
+        ``[points, 4]`` table of ``(A sqrt(n_g), B, scale cap, accumulation cap)`` for the output sizes
+        ``n_g`` the forward pass just recorded (:func:`adaloss.adaptive.rules.weight_factors`), a 0-dim 1 and
+        the reference rule's ``[1, 0, 0, 0, 0]``. The scaler calls this from ``scale()``, so a host-to-device
+        copy happens there, before the backward pass, and only when a table is new (cached by the sizes)."""
+        sizes = tuple(self.n_g)
         for w in weights:
             key = (w.device, _stat_dtype(w.dtype))
-            if key not in self._constants:
-                rows = [p.constants for p in self.gemms]
-                self._constants[key] = torch.tensor(rows, dtype=key[1], device=key[0]).reshape(-1, 2)
+            tables = self._tables.setdefault(key, {})
+            if sizes not in tables:
+                if len(tables) >= 4:  # a few batch geometries at most (e.g. a last partial batch)
+                    tables.pop(next(iter(tables)))
+                rows = [self._table_row(i) for i in range(len(self.gemms))]
+                tables[sizes] = torch.tensor(rows, dtype=key[1], device=key[0]).reshape(-1, 4)
+            self._table[key] = tables[sizes]
+            if key not in self._one:
+                self._one[key] = torch.ones((), dtype=key[1], device=key[0])
+                _low(key[1], str(key[0]))  # made now, not in the backward pass
 
-    def _constant_rows(self, indices: list[int], weight: torch.Tensor) -> torch.Tensor:
-        """The ``[len(indices), 2]`` constants of points ``indices`` for statistics of ``weight``: views
+    def _table_row(self, index: int) -> list[float]:
+        point = self.gemms[index]
+        a, b = point.constants
+        return [self.rule.lower_constant(a, self.n_g[index]), b, *self.rule.caps]
+
+    def _rows(self, indices: list[int], weight: torch.Tensor) -> torch.Tensor:
+        """The ``[len(indices), 4]`` table rows of points ``indices`` for statistics of ``weight``: views
         and device ops on the table ``prepare_constants`` made (made here if it was not, for direct use of
         the ops outside a scaler)."""
         key = (weight.device, _stat_dtype(weight.dtype))
-        if key not in self._constants:
+        if key not in self._table:
             self.prepare_constants([weight])
-        table = self._constants[key]
+        table = self._table[key]
         if indices == list(range(len(self.gemms))):
             return table
         if len(indices) == 1:
             return table[indices[0] : indices[0] + 1]
         return torch.stack([table[i] for i in indices])
 
+    def one(self, weight: torch.Tensor) -> torch.Tensor:
+        """A 0-dim 1 where ``weight``'s statistics are taken (:func:`adaloss.adaptive.rules.grad_stats`)."""
+        key = (weight.device, _stat_dtype(weight.dtype))
+        if key not in self._one:
+            self.prepare_constants([weight])
+        return self._one[key]
+
+    def _factors(self, indices: list[int], weights: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Factor rows (5-vectors) of points ``indices`` from ``weights``: for float32 CPU weights the
+        first three columns by one native call (the caps appended), else :func:`weight_factors`."""
+        consts = [(row[0], row[1]) for row in (self._table_row(i) for i in indices)]
+        fused = native.weight_factors(weights, consts)
+        if fused is not None:
+            caps = self._caps_cpu.expand(len(indices), 2)
+            return list(torch.cat([fused, caps], dim=1).unbind(0))
+        return list(weight_factors(weights, self._rows(indices, weights[0])).unbind(0))
+
     def layer_factors(self, index: int, weight: torch.Tensor) -> torch.Tensor:
         """Point ``index``'s weight factors from ``weight`` alone (a point whose forward was not recorded,
         or a distributed pass). No host sync, no host-to-device copy once the constants are prepared."""
-        fused = native.weight_factors([weight], [self.gemms[index].constants])
-        if fused is not None:
-            return fused[0]
-        return weight_factors([weight], self._constant_rows([index], weight))[0]
+        return self._factors([index], [weight])[0]
 
     def factors_for(self, index: int) -> torch.Tensor | None:
         """Point ``index``'s weight factors for Algorithm 4, computed for every recorded point at once on
@@ -533,12 +561,7 @@ class AdaptiveState:
                 if w is not None:
                     groups.setdefault((w.device, w.dtype), []).append(i)
             for idx in groups.values():
-                ws = [self.fwd_weight[i] for i in idx]
-                fused = native.weight_factors(ws, [self.gemms[i].constants for i in idx])
-                if fused is not None:
-                    rows = list(fused.unbind(0))
-                else:
-                    rows = weight_factors(ws, self._constant_rows(idx, ws[0]))
+                rows = self._factors(idx, [self.fwd_weight[i] for i in idx])
                 for i, row in zip(idx, rows, strict=True):
                     self._weight_factors[i] = row
             self.fwd_weight = [None] * len(self.fwd_weight)  # do not keep the weight copies alive
@@ -637,6 +660,7 @@ class ScaledGEMM(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         if record:
             state.fwd_weight[point.index] = weight
+            state.n_g[point.index] = y.numel()
         if fmt is not None:
             mark_low_precision(y)
         return y
@@ -671,9 +695,7 @@ class ScaledGEMM(torch.autograd.Function):
                 factors = state.layer_factors(k, w)
             if stats is None:  # no GradRound before this point (no gradient format, or not FP16)
                 stats = native.grad_stats(delta, False, always=True)[1]
-            beta_t, beta = native.beta_host(
-                factors, stats, math.sqrt(delta.numel()), rule.flags, rule.cap(alpha_j)
-            )
+            beta_t, beta = native.beta_host(factors, stats, rule.flags, *rule.caps, alpha_j)
             state.beta[k] = beta_t
             state.beta_host[k] = beta
             state.alpha[point.out_slot] = alpha_j * beta
@@ -694,22 +716,26 @@ class ScaledGEMM(torch.autograd.Function):
     def _device_beta(state, k, w, delta, alpha_j, stats):
         """Algorithm 4 on device tensors: the weight's factors (batched over the pass's layers unless the
         statistics are reduced across ranks), the gradient's statistics (all-reduced under DDP), beta.
-        No host sync and no host-to-device copy (the constants were prepared when the scaler was armed)."""
+        No host sync and no host-to-device copy (the constants were prepared when the scaler was armed);
+        about a dozen kernels per layer (see :class:`adaloss.adaptive.rules.ScaleRule`)."""
         n_g = delta.numel()
-        if state.reduce_fn is None:
-            factors = state.factors_for(k)
-        else:
-            factors = None
+        factors = state.factors_for(k) if state.reduce_fn is None else None
         if factors is None:
             factors = state.layer_factors(k, w)
+        one = state.one(w)
         if stats is None:
             fused = native.grad_stats(delta, round_fp16=False)  # one native pass for a float32 CPU tensor
-            stats = fused[1] if fused is not None else grad_stats(delta)
+            stats = None if fused is None else fused[1]
+        if stats is None:
+            stats = grad_stats(delta, alpha_j, one)
+        else:  # [||delta||, |min|, |max|] from a native pass: the rule's 5-vector
+            peak, alpha = stats[1:].amax(), alpha_j.reshape(()).to(stats.dtype)
+            stats = torch.stack([stats[0], peak, peak, one.to(stats.dtype), alpha])
         if state.reduce_fn is not None:
-            ms_g, max_g = state.reduce_fn(stats[0].square() / n_g, stats[1:].amax())
+            ms_g, max_g = state.reduce_fn(stats[0].square() / n_g, stats[1])
             max_g = max_g.reshape(())
-            stats = torch.stack([torch.sqrt(ms_g * n_g).reshape(()), max_g, max_g])
-        return gemm_loss_scale(w, delta, state.rule, alpha_in=alpha_j, factors=factors, stats=stats)
+            stats = torch.stack([torch.sqrt(ms_g * n_g).reshape(()), max_g, max_g, stats[3], stats[4]])
+        return gemm_loss_scale(w, delta, state.rule, factors=factors, stats=stats)
 
     @staticmethod
     def _gradients(ctx, delta, x, w, alpha_j, beta):
@@ -943,11 +969,8 @@ class Rescale(torch.autograd.Function):
             alphas = [state.read_alpha(point.in_slots[i], point.name) for i in present]
             if state.recompute or state.branch_factors[k] is None:
                 a = torch.stack([x.float().reshape(()) for x in alphas])
-                if len(present) == 1:
-                    m = _max_abs(grads[present[0]]).float().reshape(1)
-                else:
-                    bounds = [b for i in present for b in torch.aminmax(grads[i])]
-                    m = torch.stack(bounds).float().abs_().view(len(present), 2).amax(dim=1)
+                # one reduction kernel per input for its max magnitude, one to stack them
+                m = torch.stack([_max_magnitude(grads[i]) for i in present]).float()
                 if state.reduce_fn is not None:
                     m = state.reduce_fn(None, m)[1]
                 common = branch_loss_scale(a, m, state.u_max, state.rule.name)
@@ -1001,6 +1024,12 @@ class Rescale(torch.autograd.Function):
                 if not _is_one(f):
                     out[i] = grads[i].mul_(f) if i == owned else grads[i] * f
         return (None, None, *out)
+
+
+def _max_magnitude(x: torch.Tensor) -> torch.Tensor:
+    """max|x| in one reduction (in float32 for half-precision tensors)."""
+    red = None if x.dtype in (torch.float32, torch.float64) else torch.float32
+    return torch.linalg.vector_norm(x, math.inf, dtype=red)
 
 
 def _is_one(factor: torch.Tensor | float) -> bool:

@@ -105,13 +105,32 @@ def backward_fan_in(kind: str, weight_shape: Sequence[int], groups: int = 1) -> 
     raise ValueError(f"unknown layer kind {kind!r}")
 
 
+#: "No bound" for ``scale_upper_bound`` / ``accum_upper_bound``: 2**64, above any scale FP16 data can take
+#: (a non-zero FP16 value is at least 2**-24 and at most 65504 < 2**16, so a beta above 2**40 overflows every
+#: one of them). Finite, so that the arithmetic below needs no special case for "none".
+NO_BOUND = 2.0**64
+
+
 @dataclass(frozen=True)
 class ScaleRule:
     """Which rule computes a layer's beta (module docstring), and its parameters.
 
-    ``scale_upper_bound`` / ``accum_upper_bound``: caps on beta and on ``alpha_in * beta`` (None: no cap).
-    ``allow_below_one`` applies to the ``paper`` rule only (the ``reference`` rule lets beta fall below 1
-    through its overflow and accumulation bounds alone).
+    ``scale_upper_bound`` / ``accum_upper_bound``: caps on beta and on ``alpha_in * beta`` (None: no cap,
+    i.e. :data:`NO_BOUND`). ``allow_below_one`` applies to the ``paper`` rule only (the ``reference`` rule
+    lets beta fall below 1 through its overflow and accumulation bounds alone).
+
+    How the steps are arranged (the same float32 operations in :meth:`beta`, in ``beta_from`` of
+    ``numerics/_fast.c`` and in the fused nodes): the weight's factors and the gradient's statistics are
+    5-vectors ``f = [A sqrt(n_g) / ||W||, B / max|W|, B / max|W|, scale cap, accumulation cap]`` and ``s =
+    [||delta||, max|delta|, max|delta|, 1, alpha_in]``; ``q = |f / s|`` holds the lower bound, the overflow
+    bound twice and the two caps, an infinite or NaN ``q`` is read as 1 (an all-zero gradient or weight has
+    no statistics: scale 1, as in the authors' code; a NaN gradient: 1), and then
+
+    * ``reference``: ``beta = min(max(q0, 1), q1, q2, q3, q4)``;
+    * ``paper``: ``beta = min(max(min(q0, q1, q2), 1), q3, q4)`` (no ``max(., 1)`` with ``allow_below_one``);
+
+    rounded down to a power of two (a subnormal result becomes 0: only an infinite gradient, whose step is
+    skipped, gives one). On a device that is 9 kernels per layer (``reference``; 11 for ``paper``).
     """
 
     name: str
@@ -135,6 +154,13 @@ class ScaleRule:
         """The rule as the native kernels take it: bit 0 ``allow_below_one``, bit 1 ``reference``."""
         return int(self.allow_below_one and not self.reference) | (2 if self.reference else 0)
 
+    @property
+    def caps(self) -> tuple[float, float]:
+        """``(scale cap, accumulation cap)``: the two bounds, :data:`NO_BOUND` where there is none."""
+        scale = NO_BOUND if self.scale_upper_bound is None else float(self.scale_upper_bound)
+        accum = NO_BOUND if self.accum_upper_bound is None else float(self.accum_upper_bound)
+        return scale, accum
+
     def layer_constants(self, n_w: int, fan_in: int) -> tuple[float, float]:
         """``(A, B)`` of the module docstring for a layer with ``n_w`` weights and backward fan-in ``F``,
         in double (the float32 rounding happens once, where they are stored)."""
@@ -143,47 +169,35 @@ class ScaleRule:
             return a, self.u_max
         return a / math.sqrt(0.5 * fan_in), self.u_max / fan_in
 
-    def cap(self, alpha_in: float) -> float:
-        """The bound on beta from ``scale_upper_bound`` and ``accum_upper_bound / alpha_in`` (inf: none)."""
-        cap = math.inf if self.scale_upper_bound is None else float(self.scale_upper_bound)
-        if self.accum_upper_bound is not None:
-            cap = min(cap, self.accum_upper_bound / alpha_in)
-        return cap
+    @staticmethod
+    def lower_constant(a: float, n_g: int) -> float:
+        """``A sqrt(n_g)``: the lower bound's constant for a gradient of ``n_g`` elements, in double."""
+        return a * math.sqrt(n_g)
 
-    def beta(
-        self,
-        factors: torch.Tensor,
-        stats: torch.Tensor,
-        sqrt_n_g: float,
-        alpha_in: torch.Tensor | float = 1.0,
-    ) -> torch.Tensor:
-        """Algorithm 4's beta from the weight's factors and the gradient's statistics (3-vectors, same
-        dtype and device), bounded and rounded down to a power of two (section 3.2.3). A 0-dim tensor; no
-        host sync. ``alpha_in``: the scale the layer's gradient carries (for ``accum_upper_bound``).
-
-        A zero, infinite or NaN result (an all-zero gradient or weight, an Inf/NaN gradient) gives 1.
-        Cost: about ten scalar ops on the device.
-        """
-        q = factors / stats  # [A/||W|| / ||delta||, B/max|W| / |min delta|, B/max|W| / |max delta|]
-        lower = q[0] * sqrt_n_g
-        upper = torch.minimum(q[1], q[2])
+    def beta(self, factors: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
+        """Algorithm 4's beta from the weight's factors and the gradient's statistics (5-vectors, see the
+        class docstring; same dtype and device), bounded and rounded down to a power of two (section
+        3.2.3). A 0-dim tensor; no host sync; 7 kernels (``paper``: 9), 9 and 11 with the statistics."""
+        q = torch.nan_to_num((factors / stats).abs_(), nan=1.0, posinf=1.0)
         if self.reference:
-            beta = torch.minimum(lower.clamp(min=1.0), upper)
+            beta = torch.maximum(q, _low_like(q)).amin()
         else:
-            beta = torch.minimum(lower, upper)
+            beta = q[:3].amin()
             if not self.allow_below_one:
                 beta = beta.clamp(min=1.0)
-        if isinstance(alpha_in, torch.Tensor) and self.accum_upper_bound is not None:
-            cap = (self.accum_upper_bound / alpha_in.to(beta.dtype)).reshape(())
-            if self.scale_upper_bound is not None:
-                cap = cap.clamp(max=float(self.scale_upper_bound))
-            beta = torch.minimum(beta, cap)
-        else:
-            cap = self.cap(float(alpha_in) if not isinstance(alpha_in, torch.Tensor) else 1.0)
-            if cap < math.inf:
-                beta = beta.clamp(max=cap)
-        beta = floor_pow2(beta)  # NaN becomes +inf here, subnormals 0
-        return torch.where((beta > 0) & (beta < math.inf), beta, torch.ones_like(beta))
+            beta = torch.minimum(beta, q[3:].amin())
+        return floor_pow2(beta)
+
+
+@functools.lru_cache(maxsize=8)
+def _low(dtype: torch.dtype, device: str) -> torch.Tensor:
+    """``[1, 0, 0, 0, 0]``: the reference rule's ``max(q0, 1)`` as one elementwise maximum. Made once per
+    device and dtype (a host-to-device copy the first time: the scaler makes it when it is armed)."""
+    return torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0], dtype=dtype, device=device)
+
+
+def _low_like(q: torch.Tensor) -> torch.Tensor:
+    return _low(q.dtype, str(q.device))
 
 
 _POW2_MASK = {torch.float32: (torch.int32, 0x7F800000), torch.float64: (torch.int64, 0x7FF0000000000000)}
@@ -211,35 +225,37 @@ def _floor_pow2_host(x: float) -> float:
     return math.ldexp(0.5, exponent)
 
 
-def weight_factors(weights: list[torch.Tensor], constants: torch.Tensor) -> list[torch.Tensor]:
-    """The weight's part of Algorithm 4 for several GEMM layers: per layer the 3-vector
-    ``[A / ||W||, B / max|W|, B / max|W|]`` (``B`` twice: it is divided by ``|min delta|`` and
-    ``|max delta|``). ``constants`` is a ``[len(weights), 2]`` tensor of ``(A, B)`` on the weights' device
-    (:meth:`ScaleRule.layer_constants`), in the weights' dtype (float32 for low-precision weights, which
-    are reduced in float32). Two ``_foreach_norm`` calls and three vector ops; no host sync, no host-to-
-    device copy. (For float32 CPU weights :func:`adaloss.numerics.native.weight_factors` computes the same
-    in one native call.)
+def weight_factors(weights: list[torch.Tensor], table: torch.Tensor) -> torch.Tensor:
+    """The weight's part of Algorithm 4 for several GEMM layers: a ``[len(weights), 5]`` tensor whose row i
+    is ``[A'_i / ||W_i||, B_i / max|W_i|, B_i / max|W_i|, scale cap, accumulation cap]`` (see
+    :class:`ScaleRule`; ``B`` twice: it is divided by ``|min delta|`` and ``|max delta|``). ``table`` is the
+    ``[len(weights), 4]`` tensor of ``(A'_i, B_i, scale cap, accumulation cap)`` on the weights' device, in
+    the statistics' dtype (float32 for low-precision weights, which are reduced in float32; float64 for
+    float64 weights), with ``A' = A sqrt(n_g)`` (:meth:`ScaleRule.lower_constant`). Two ``_foreach_norm``
+    calls and three vector ops for all the layers; no host sync, no host-to-device copy. (For float32 CPU
+    weights :func:`adaloss.numerics.native.weight_factors` computes the first three columns in one call.)
     """
     w0 = weights[0]
     red = None if w0.dtype in (torch.float32, torch.float64) else torch.float32
     if len(weights) == 1:
         norms = torch.linalg.vector_norm(w0, dtype=red).reshape(1)
-        lo, hi = torch.aminmax(w0)
-        maxs = torch.maximum(-lo, hi).to(norms.dtype).reshape(1)
+        maxs = torch.linalg.vector_norm(w0, math.inf, dtype=red).reshape(1)
     else:
         norms = torch.stack(torch._foreach_norm(weights, 2, dtype=red))
         maxs = torch.stack(torch._foreach_norm(weights, math.inf, dtype=red))
-    upper = constants[:, 1] / maxs
-    return list(torch.stack([constants[:, 0] / norms, upper, upper], dim=1).unbind(0))
+    upper = table[:, 1] / maxs
+    return torch.stack([table[:, 0] / norms, upper, upper, table[:, 2], table[:, 3]], dim=1)
 
 
-def grad_stats(delta: torch.Tensor) -> torch.Tensor:
-    """``[||delta||, |min delta|, |max delta|]`` (float32 for low-precision gradients): the gradient's part
-    of Algorithm 4, in two torch reductions. No host sync."""
+def grad_stats(delta: torch.Tensor, alpha_in: torch.Tensor | float, one: torch.Tensor) -> torch.Tensor:
+    """``[||delta||, max|delta|, max|delta|, 1, alpha_in]`` (float32 for low-precision gradients, else the
+    gradient's dtype): the gradient's part of Algorithm 4 (:class:`ScaleRule`). ``one`` is a 0-dim 1 on
+    the gradient's device (made when the scaler was armed). Three kernels; no host sync."""
     red = None if delta.dtype in (torch.float32, torch.float64) else torch.float32
     norm = torch.linalg.vector_norm(delta, dtype=red)
-    lo, hi = torch.aminmax(delta)
-    return torch.stack([norm, lo.to(norm.dtype), hi.to(norm.dtype)]).abs_()
+    peak = torch.linalg.vector_norm(delta, math.inf, dtype=red)
+    alpha = alpha_in if isinstance(alpha_in, torch.Tensor) else torch.full_like(one, alpha_in)
+    return torch.stack([norm, peak, peak, one, alpha.reshape(())]).to(norm.dtype)
 
 
 def gemm_loss_scale(
@@ -254,18 +270,20 @@ def gemm_loss_scale(
     """Algorithm 4 (``GetGEMMLossScale``) with section 3.2.3's post-processing: the beta of one layer.
 
     ``delta`` is the incoming gradient (already scaled by ``alpha_in``); ``fan_in`` defaults to
-    ``weight.shape[0]`` (a linear layer). ``factors`` and ``stats`` may come precomputed (see
-    :func:`weight_factors` and :func:`grad_stats`). No host sync; builds the layer's two constants with
-    one host-to-device copy unless ``factors`` is given (the scaler's backward pass always gives it).
+    ``weight.shape[0]`` (a linear layer). ``factors`` and ``stats`` may come precomputed (5-vectors, see
+    :func:`weight_factors` and :func:`grad_stats`); then ``weight``, ``fan_in`` and ``alpha_in`` are not
+    read. No host sync; makes the layer's constants with a host-to-device copy unless ``factors`` is given
+    (the scaler's backward pass always gives them).
     """
+    dtype = torch.float64 if weight.dtype is torch.float64 else torch.float32
     if factors is None:
         f = backward_fan_in("linear", weight.shape) if fan_in is None else fan_in
-        dtype = torch.float32 if weight.dtype not in (torch.float32, torch.float64) else weight.dtype
-        consts = torch.tensor([rule.layer_constants(weight.numel(), f)], dtype=dtype, device=weight.device)
-        factors = weight_factors([weight], consts)[0]
+        a, b = rule.layer_constants(weight.numel(), f)
+        row = [rule.lower_constant(a, delta.numel()), b, *rule.caps]
+        factors = weight_factors([weight], torch.tensor([row], dtype=dtype, device=weight.device))[0]
     if stats is None:
-        stats = grad_stats(delta)
-    return rule.beta(factors, stats.to(factors.dtype), math.sqrt(delta.numel()), alpha_in)
+        stats = grad_stats(delta, alpha_in, torch.ones((), dtype=dtype, device=delta.device))
+    return rule.beta(factors, stats.to(factors.dtype))
 
 
 # ----------------------------------------------------------------------------------------- Algorithm 5
@@ -280,21 +298,23 @@ def branch_loss_scale(
     Candidates are the incoming alphas in descending order; the first (largest) under which every rescaled
     gradient ``(alpha / alphas[k]) * delta_k`` stays below ``u_max`` wins. If none does: under ``paper`` the
     smallest alpha (the step then overflows and is skipped); under ``reference`` the smallest alpha halved
-    until the rescaled gradients fit (the smallest if they never do: an Inf/NaN gradient). Vectorized; no
-    host sync.
+    until the rescaled gradients fit (the smallest if they never do: an Inf/NaN gradient).
+
+    With ``M = max_k(max_abs[k] / alphas[k])``, the largest unscaled magnitude (exact: the alphas are powers
+    of two), a candidate ``c`` fits when ``c * M < u_max``, also exact. Vectorized: no host sync; 9 kernels
+    (``reference``: 15).
     """
-    ratio = alphas[:, None] / alphas[None, :]  # [candidate, input]
-    ok = (ratio * max_abs[None, :] < u_max).all(dim=1)
-    best = torch.where(ok, alphas, torch.zeros_like(alphas)).amax()
+    m = (max_abs / alphas).amax()
+    best = torch.where(alphas * m < u_max, alphas, 0.0).amax()  # 0 if no candidate fits
     smallest = alphas.amin()
-    if rule != "reference":
-        return torch.where(ok.any(), best, smallest)
-    m = (max_abs / alphas).amax()  # the largest unscaled gradient: exact, the alphas are powers of two
-    t = floor_pow2((u_max / m).reshape(1)).reshape(())
-    t = torch.where(t * m >= u_max, t * 0.5, t)  # strictly below u_max
-    t = torch.minimum(t, smallest * 0.5)
-    t = torch.where(torch.isfinite(m) & (t > 0), t, smallest)
-    return torch.where(ok.any(), best, t)
+    if rule == "reference":
+        # the largest power of two t with t * M < u_max (below the smallest alpha, which did not fit)
+        t = floor_pow2(u_max / m)
+        t = torch.where(t * m >= u_max, t * 0.5, t)
+        fallback = torch.where(m < math.inf, t, smallest)
+    else:
+        fallback = smallest
+    return torch.where(best > 0, best, fallback)
 
 
 def branch_loss_scale_host(

@@ -17,7 +17,7 @@
 
 #define TARGET __attribute__((target("avx2,fma,f16c")))
 
-int adaloss_fast_abi(void) { return 9; }
+int adaloss_fast_abi(void) { return 10; }
 
 /* Whether this CPU has the instructions the kernels use (checked once by the loader). */
 int adaloss_cpu_ok(void) {
@@ -134,38 +134,51 @@ TARGET static inline void stats_impl(const float *x, float *y, int64_t n, float 
 }
 
 /* Algorithm 4's last step (section 3.2.3), the same float32 operations as ScaleRule.beta in
- * adaptive/rules.py: with q = factors / stats, lower = q[0] * sqrt_ng and upper = min(q[1], q[2]),
- *   paper (flags bit 1 clear):    beta = min(lower, upper), kept >= 1 unless flags bit 0 (allow_below_one);
- *   reference (flags bit 1 set):  beta = min(max(lower, 1), upper);
- * then beta = min(beta, cap) (the scale and accumulation bounds; +inf for none), rounded down to a power of
- * two (exponent bits kept, mantissa cleared). NaN, zero, subnormal or infinite results give 1. */
-static float beta_from(const float *factors, const float *stats, float sqrt_ng, int flags, float cap) {
-    float q[3];
-    for (int k = 0; k < 3; ++k) {
-        q[k] = factors[k] / stats[k];
-        if (q[k] != q[k]) return 1.0f;
-    }
-    float lower = q[0] * sqrt_ng;
-    if (lower != lower) return 1.0f;
-    float upper = q[1] < q[2] ? q[1] : q[2];
+ * adaptive/rules.py: q = |f / s| for the rule's 5-vectors f = [factors[0..2], scale_cap, accum_cap] and
+ * s = [||g||, max|g|, max|g|, 1, alpha_in] (max|g| the larger of stats[1], stats[2]: |min g|, |max g|), an
+ * infinite or NaN q read as 1, then
+ *   reference (flags bit 1 set):  beta = min(max(q0, 1), q1, q2, q3, q4);
+ *   paper (flags bit 1 clear):    beta = min(max(min(q0, q1, q2), 1), q3, q4), without the max(., 1) when
+ *                                 flags bit 0 (allow_below_one) is set;
+ * rounded down to a power of two (exponent bits kept, mantissa cleared: a subnormal becomes 0). */
+static inline float sane(float q) {
+    q = fabsf(q);
+    return (q != q || q == INFINITY) ? 1.0f : q;
+}
+
+static float beta_from(const float *factors, const float *stats, int flags, float scale_cap, float accum_cap,
+                       float alpha_in) {
+    /* stats hold |min| and |max| of the gradient: the overflow bound divides by the larger one */
+    float peak = stats[1] > stats[2] ? stats[1] : stats[2];
+    if (stats[1] != stats[1] || stats[2] != stats[2]) peak = NAN;
+    float q[5];
+    q[0] = sane(factors[0] / stats[0]);
+    q[1] = sane(factors[1] / peak);
+    q[2] = sane(factors[2] / peak);
+    q[3] = sane(scale_cap / 1.0f);
+    q[4] = sane(accum_cap / alpha_in);
     float b;
     if (flags & 2) {
-        b = lower < 1.0f ? 1.0f : lower;
-        if (upper < b) b = upper;
+        b = q[0] < 1.0f ? 1.0f : q[0];
+        for (int k = 1; k < 5; ++k)
+            if (q[k] < b) b = q[k];
     } else {
-        b = lower < upper ? lower : upper;
+        b = q[0];
+        if (q[1] < b) b = q[1];
+        if (q[2] < b) b = q[2];
         if (!(flags & 1) && b < 1.0f) b = 1.0f;
+        if (q[3] < b) b = q[3];
+        if (q[4] < b) b = q[4];
     }
-    if (cap < b) b = cap;
     union { float f; uint32_t u; } bits = {b};
     bits.u &= 0x7F800000u;
-    b = bits.f;
-    return (b > 0.0f && b < INFINITY) ? b : 1.0f;
+    return bits.f;
 }
 
 /* beta from precomputed statistics (see beta_from); also written to beta[0]. */
-float adaloss_beta(const float *factors, const float *stats, float sqrt_ng, int flags, float cap, float *beta) {
-    beta[0] = beta_from(factors, stats, sqrt_ng, flags, cap);
+float adaloss_beta(const float *factors, const float *stats, int flags, float scale_cap, float accum_cap,
+                   float alpha_in, float *beta) {
+    beta[0] = beta_from(factors, stats, flags, scale_cap, accum_cap, alpha_in);
     return beta[0];
 }
 

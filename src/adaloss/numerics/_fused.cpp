@@ -31,7 +31,7 @@ typedef void (*round_fn_t)(const float *, float *, int64_t, float, float);
 typedef void (*round_scaled_fn_t)(const float *, float *, int64_t, float);
 typedef void (*stats_fn_t)(const float *, float *, int64_t, int, float *);
 typedef void (*wf_fn_t)(const float *const *, const int64_t *, const float *, const float *, int64_t, float *);
-typedef float (*beta_fn_t)(const float *, const float *, float, int, float, float *);
+typedef float (*beta_fn_t)(const float *, const float *, int, float, float, float, float *);
 typedef float (*maxabs_fn_t)(const float *, int64_t);
 round_fn_t g_round = nullptr;
 round_scaled_fn_t g_round_scaled = nullptr;
@@ -178,12 +178,13 @@ struct FusedGemm : public Function<FusedGemm> {
         at::Tensor wc = wr.contiguous();
         const float *wp = wc.const_data_ptr<float>();
         int64_t nw = wc.numel();
-        const float a = static_cast<float>(consts[0]), b = static_cast<float>(consts[1]);
+        // A sqrt(n_g) in double, rounded once (ScaleRule.lower_constant), as the Python paths do
+        const float a = static_cast<float>(consts[0] * std::sqrt(static_cast<double>(g.numel())));
+        const float b = static_cast<float>(consts[1]);
         g_wf(&wp, &nw, &a, &b, 1, factors);
-        const double cap = std::min(consts[2], consts[3] / alpha_j);
-        const float sqrt_ng = static_cast<float>(std::sqrt(static_cast<double>(g.numel())));
         float beta_f;
-        const double beta = g_beta(factors, stats, sqrt_ng, static_cast<int>(where[3]), static_cast<float>(cap), &beta_f);
+        const double beta = g_beta(factors, stats, static_cast<int>(where[3]), static_cast<float>(consts[2]),
+                                   static_cast<float>(consts[3]), static_cast<float>(alpha_j), &beta_f);
         rec[where[2]] = beta;
         rec[where[1]] = alpha_j * beta;
         if (beta > 1.0 && ctx->needs_input_grad(0)) {
@@ -466,7 +467,7 @@ void set_kernels(uintptr_t round, uintptr_t round_scaled, uintptr_t stats, uintp
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    m.attr("ABI") = 3;
+    m.attr("ABI") = 4;
     pybind11::class_<GemmSpec, std::shared_ptr<GemmSpec>>(m, "GemmSpec")
         .def(pybind11::init([](int64_t kind, std::vector<int64_t> stride, std::vector<int64_t> padding,
                                std::vector<int64_t> dilation, std::vector<int64_t> output_padding,

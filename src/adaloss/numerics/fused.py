@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("_fused.cpp")
 _MODULE = "_adaloss_fused"
-_ABI = 3
+_ABI = 4
 _lock = threading.Lock()
 _ext: ModuleType | None = None
 _tried = False

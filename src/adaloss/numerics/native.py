@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 
 # Below this many elements the ctypes call saves nothing over torch's casts; keep those.
 MIN_NUMEL = 64
-_ABI = 9
+_ABI = 10
 _SOURCE = Path(__file__).with_name("_fast.c")
 
 _lock = threading.Lock()
@@ -156,7 +156,8 @@ def _load() -> ctypes.CDLL | None:
         lib.adaloss_grad_stats.restype = None
         lib.adaloss_weight_factors.argtypes = [vp, vp, vp, vp, i64, vp]
         lib.adaloss_weight_factors.restype = None
-        lib.adaloss_beta.argtypes = [vp, vp, ctypes.c_float, ci, ctypes.c_float, vp]
+        cf = ctypes.c_float
+        lib.adaloss_beta.argtypes = [vp, vp, ci, cf, cf, cf, vp]
         lib.adaloss_beta.restype = ctypes.c_float
         lib.adaloss_max_abs.argtypes = [vp, i64]
         lib.adaloss_max_abs.restype = ctypes.c_float
@@ -267,17 +268,23 @@ def _host_tensor(x: torch.Tensor, what: str) -> torch.Tensor:
 
 
 def beta_host(
-    factors: torch.Tensor, stats: torch.Tensor, sqrt_n_g: float, flags: int, cap: float
+    factors: torch.Tensor,
+    stats: torch.Tensor,
+    flags: int,
+    scale_cap: float,
+    accum_cap: float,
+    alpha_in: float,
 ) -> tuple[torch.Tensor, float]:
-    """A layer's beta from its weight factors and gradient statistics (both float32 CPU 3-vectors), by the
-    float32 steps of :meth:`adaloss.adaptive.rules.ScaleRule.beta`: ``(beta as a 0-dim tensor, as a float)``.
-    ``flags`` and ``cap`` are :attr:`ScaleRule.flags` and :meth:`ScaleRule.cap` of the layer's alpha.
+    """A layer's beta from its weight factors and gradient statistics (float32 CPU tensors; the first three
+    elements of each are read), by the float32 steps of :meth:`adaloss.adaptive.rules.ScaleRule.beta`:
+    ``(beta as a 0-dim tensor, as a float)``. ``flags``, ``scale_cap`` and ``accum_cap`` are the rule's
+    (:attr:`ScaleRule.flags`, :attr:`ScaleRule.caps`); ``alpha_in`` is the scale the layer received.
     """
     factors = _host_tensor(factors, "beta_host")
     stats = _host_tensor(stats, "beta_host")
     beta = torch.empty((), dtype=torch.float32)
     value = _lib.adaloss_beta(  # type: ignore[union-attr]
-        factors.data_ptr(), stats.data_ptr(), sqrt_n_g, int(flags), cap, beta.data_ptr()
+        factors.data_ptr(), stats.data_ptr(), int(flags), scale_cap, accum_cap, alpha_in, beta.data_ptr()
     )
     return beta, float(value)
 
