@@ -72,11 +72,15 @@ from adaloss.numerics.formats import round_to_format
 
 __all__ = [
     "AdaptiveState",
+    "AttentionProbe",
     "GemmPoint",
     "BranchPoint",
+    "GradProbe",
+    "ParamUnscale",
     "ScaledGEMM",
     "GradRound",
     "Rescale",
+    "UnscalePoint",
 ]
 
 
@@ -114,6 +118,18 @@ class BranchPoint:
     name: str
     in_slots: list[int] = field(default_factory=list)  # one per consumer
     out_slot: int = -1
+
+
+@dataclass
+class UnscalePoint:
+    """A non-GEMM use of a parameter that GEMM points also use (a token embedding whose weight is the output
+    projection's): the gradient this use contributes is divided by its own alpha in the backward pass
+    (:class:`ParamUnscale`), as each GEMM call's contribution is, so the parameter's ``.grad`` sums true
+    gradients."""
+
+    index: int
+    name: str  # the parameter's name, with "#k" for its k-th such use
+    in_slot: int = -1  # slot holding the alpha of the gradient this use contributes
 
 
 def unplanned_point(name: str) -> RuntimeError:
@@ -202,6 +218,14 @@ class AdaptiveState:
         self.u_max = rule.u_max
         self.gemms: list[GemmPoint] = []
         self.branches: list[BranchPoint] = []
+        self.unscales: list[UnscalePoint] = []
+        # Set by the transform for the scaler: the parameters whose gradients the backward pass unscales
+        # (every parameter of a GEMM point, and the other uses of those), the parameters under GEMM
+        # weights (their device and dtype key Algorithm 4's constants), and the modules of the GEMM points
+        # (``fusable()``: whether each has a fused C++ form; all must, for the fused nodes to be used).
+        self.unscaled_params: list[torch.Tensor] = []
+        self.gemm_weight_params: list[torch.Tensor] = []
+        self.point_modules: list[Any] = []
         self.num_slots = 1
         self.alpha: list[torch.Tensor | float | None] = [None]
         self.beta: list[torch.Tensor | None] = []
@@ -255,6 +279,11 @@ class AdaptiveState:
         self.gemms.append(point)
         self.beta.append(None)
         self.fwd_weight.append(None)
+        return point
+
+    def add_unscale(self, name: str) -> UnscalePoint:
+        point = UnscalePoint(len(self.unscales), name)
+        self.unscales.append(point)
         return point
 
     def add_branch(self, name: str) -> BranchPoint:
@@ -860,6 +889,97 @@ class GradRound(torch.autograd.Function):
         if emu is None or emu.grad_fmt is None or not torch.is_grad_enabled():
             return y
         return GradRound.apply(y, state, emu.grad_fmt, emu.probe_for(point.name))
+
+
+class ParamUnscale(torch.autograd.Function):
+    """Identity on a parameter for one of its non-GEMM uses (:class:`UnscalePoint`); the backward pass
+    divides the gradient of that use by the alpha it carries, in the parameter's own dtype, so it joins the
+    GEMM calls' contributions (unscaled by :class:`ScaledGEMM`) in ``.grad`` as a true gradient. Cost: one
+    pass over that gradient (an embedding's weight gradient); no host sync (a device alpha is divided by
+    as a tensor)."""
+
+    @staticmethod
+    def forward(ctx, p, point: UnscalePoint, state: AdaptiveState):  # type: ignore[override]
+        ctx.point, ctx.state = point, state
+        with torch._C.DisableTorchFunction():
+            return p.view_as(p)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        alpha = ctx.state.read_alpha(ctx.point.in_slot, ctx.point.name)
+        with torch._C.DisableTorchFunction():
+            if isinstance(alpha, float):
+                grad = grad if alpha == 1.0 else grad / alpha
+            else:
+                grad = grad / alpha.to(grad.dtype)
+        return grad, None, None
+
+
+class GradProbe(torch.autograd.Function):
+    """Identity; on the way back, counts the underflow of the gradient passing through (telemetry of an
+    activation-by-activation product's output gradient, which the emulation rounds just after this node
+    in the backward pass) and passes it on unchanged. Telemetry steps only."""
+
+    @staticmethod
+    def forward(ctx, y, probe, fmt):  # type: ignore[override]
+        ctx.probe, ctx.fmt = probe, fmt
+        with torch._C.DisableTorchFunction():
+            out = y.view_as(y)
+            if is_low_precision(y):
+                mark_low_precision(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        with torch._C.DisableTorchFunction():
+            if ctx.probe is not None:
+                ctx.probe.record(grad, round_to_format(grad, ctx.fmt) if ctx.fmt is not None else None)
+        return grad, None, None
+
+
+class AttentionProbe(torch.autograd.Function):
+    """Identity on the output of scaled dot-product attention; on the way back, counts the underflow of the
+    output gradient (the attention-weighted values' product) and of the scores' gradient ``dS``, which
+    exists only inside the attention kernel: recomputed here from the saved query, key and value
+    (``P = softmax(scale Q K^T + mask)``, ``dP = dO V^T``, ``dS = P (dP - rowsum(dP P))``) and counted as
+    storing it in the gradient format would lose it. The gradient passes on unchanged. Telemetry steps only;
+    costs one attention forward and half a backward. Attention dropout is not replayed."""
+
+    @staticmethod
+    def forward(ctx, out, q, k, v, mask, is_causal, scale, values_probe, scores_probe, fmt):  # type: ignore[override]
+        ctx.saved = (q.detach(), k.detach(), v.detach(), None if mask is None else mask.detach())
+        ctx.is_causal, ctx.scale, ctx.fmt = is_causal, scale, fmt
+        ctx.probes = (values_probe, scores_probe)
+        with torch._C.DisableTorchFunction():
+            view = out.view_as(out)
+            if is_low_precision(out):
+                mark_low_precision(view)
+        return view
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        values_probe, scores_probe = ctx.probes
+        with torch._C.DisableTorchFunction(), torch.no_grad():
+            fmt = ctx.fmt
+            rounded = round_to_format(grad, fmt) if fmt is not None else grad
+            if values_probe is not None:
+                values_probe.record(grad, rounded if fmt is not None else None)
+            q, k, v, mask = ctx.saved
+            if scores_probe is not None and q.shape[:-2] == k.shape[:-2]:
+                dtype = torch.promote_types(q.dtype, torch.float32)
+                q, k, v, d_out = (t.to(dtype) for t in (q, k, v, rounded))
+                scale = ctx.scale if ctx.scale is not None else 1.0 / math.sqrt(q.shape[-1])
+                s = q.matmul(k.transpose(-2, -1)) * scale
+                if ctx.is_causal:
+                    keep = torch.ones(s.shape[-2], s.shape[-1], dtype=torch.bool, device=s.device).tril()
+                    s = s.masked_fill(~keep, -math.inf)
+                if mask is not None:
+                    s = s.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else s + mask
+                p = torch.softmax(s, dim=-1)
+                d_p = d_out.matmul(v.transpose(-2, -1))
+                d_s = p * (d_p - (d_p * p).sum(-1, keepdim=True))
+                scores_probe.record(d_s)
+        return (grad, *([None] * 9))
 
 
 def _is_pow2(value: float) -> bool:

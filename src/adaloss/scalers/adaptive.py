@@ -262,14 +262,11 @@ class AdaptiveLossScaler(LossScaler):
             state.reduce_fn = _StatisticsReducer(torch.distributed.new_group())
         gm = attach_adaptive(model, state)
         self.state = state
-        self._gemm_param_ids = {
-            id(p) for m in gm.modules() if type(m).__name__ == "AdaptiveGEMM" for p in m.parameters()
-        }
+        # GEMM parameters' gradients are unscaled in the backward pass, use by use (the transform lists them)
+        self._gemm_param_ids = {id(p) for p in state.unscaled_params}
         self._param_names = {id(p): n for n, p in gm.named_parameters()}
-        self._gemm_weights = [
-            m.weight for m in gm.modules() if type(m).__name__ == "AdaptiveGEMM" and hasattr(m, "weight")
-        ]
-        self._gemm_modules = [m for m in gm.modules() if type(m).__name__ == "AdaptiveGEMM"]
+        self._gemm_weights = list(state.gemm_weight_params)
+        self._gemm_modules = list(state.point_modules)
         # Which tensors need gradients, per forward pass: lets reuse steps skip points no gradient reaches
         # (frozen layers) instead of recomputing every step (see AdaptiveState.start_backward).
         gm.register_forward_pre_hook(GradSignature(state, list(gm.parameters())), with_kwargs=True)
