@@ -891,6 +891,15 @@ class GradRound(torch.autograd.Function):
         return GradRound.apply(y, state, emu.grad_fmt, emu.probe_for(point.name))
 
 
+def _alias(y: torch.Tensor) -> torch.Tensor:
+    """A view of ``y`` for an identity node's output, stored in the format exactly when ``y`` is."""
+    with torch._C.DisableTorchFunction():
+        out = y.view_as(y)
+        if is_low_precision(y):
+            mark_low_precision(out)
+    return out
+
+
 class ParamUnscale(torch.autograd.Function):
     """Identity on a parameter for one of its non-GEMM uses (:class:`UnscalePoint`); the backward pass
     divides the gradient of that use by the alpha it carries, in the parameter's own dtype, so it joins the
@@ -923,11 +932,7 @@ class GradProbe(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, probe, fmt):  # type: ignore[override]
         ctx.probe, ctx.fmt = probe, fmt
-        with torch._C.DisableTorchFunction():
-            out = y.view_as(y)
-            if is_low_precision(y):
-                mark_low_precision(out)
-        return out
+        return _alias(y)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
@@ -950,11 +955,7 @@ class AttentionProbe(torch.autograd.Function):
         ctx.saved = (q.detach(), k.detach(), v.detach(), None if mask is None else mask.detach())
         ctx.is_causal, ctx.scale, ctx.fmt = is_causal, scale, fmt
         ctx.probes = (values_probe, scores_probe)
-        with torch._C.DisableTorchFunction():
-            view = out.view_as(out)
-            if is_low_precision(out):
-                mark_low_precision(view)
-        return view
+        return _alias(out)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
