@@ -640,8 +640,8 @@ def attach_adaptive(model: nn.Module, state: AdaptiveState) -> fx.GraphModule:
         return slot.get(user)
 
     for node in reversed(list(graph.nodes)):
-        if node.op == "output":
-            continue
+        if node.op == "output" or _is_metadata(node, metadata):
+            continue  # sizes and shapes carry no gradient (and may feed ops on both sides of a GEMM)
         if node in branch_nodes:
             point = branch_nodes[node]
             getitems = sorted(node.users, key=lambda g: g.args[1])
