@@ -46,9 +46,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from adaloss.adaptive.ops import AdaptiveState, AttentionProbe, GradProbe, GradRound, ScaledGEMM
+from adaloss.adaptive.ops import (
+    AdaptiveState,
+    AttentionOperands,
+    GradProbe,
+    GradRound,
+    MatmulOperands,
+    ScaledGEMM,
+    ScaledProduct,
+)
 from adaloss.errors import ConfigError
-from adaloss.numerics.emulation import active_emulation
+from adaloss.numerics.emulation import active_emulation, is_low_precision, round_value
 
 __all__ = [
     "AdaptiveTracer",
@@ -92,6 +100,8 @@ class AdaptiveTracer(fx.Tracer):
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if _traced_forward(m) is not None:
             return False
+        if isinstance(m, _TRAINING_LEAVES):
+            return True
         return super().is_leaf_module(m, module_qualified_name)
 
     def call_module(self, m: nn.Module, forward: Callable, args: tuple, kwargs: dict) -> Any:
@@ -99,6 +109,19 @@ class AdaptiveTracer(fx.Tracer):
         if traced is not None:
             forward = functools.partial(traced, self, m)
         return super().call_module(m, forward, args, kwargs)
+
+
+def _training_leaves() -> tuple[type[nn.Module], ...]:
+    try:
+        from torchvision.ops import StochasticDepth
+    except ImportError:  # torchvision is optional for the transform
+        return ()
+    return (StochasticDepth,)
+
+
+#: Parameterless modules outside ``torch.nn`` whose forward reads ``self.training``: kept as leaves, so
+#: the flag is read when they run (tracing through them would freeze the value it had when attached).
+_TRAINING_LEAVES = _training_leaves()
 
 
 def _traced_forward(m: nn.Module) -> Callable | None:
@@ -349,44 +372,118 @@ PRODUCT_METHODS: dict[str, Any] = {
 
 
 class Product(nn.Module):
-    """An activation-by-activation product in the rewritten graph: calls ``fn`` unchanged and, on a
-    telemetry step, counts the underflow of its output gradient under ``name``. Alpha passes through (the
-    product is linear in each input), so no scaling node is needed."""
+    """An activation-by-activation product in the rewritten graph, and a scaling point of its own
+    (:class:`ScaledProduct`: Algorithm 4 with each operand in the other's weight's place): ``matmul``,
+    ``@``, ``bmm``, ``mm``, ``baddbmm``, ``addmm``, ``F.linear`` whose weight is an activation. ``einsum``
+    has no point (``point_index`` None): alpha passes through it unchanged. In emulation the product is
+    stored as the emulation stores a GEMM's (inputs and output in the format), with the scaling node
+    between the output and its gradient's rounding, so ``beta`` multiplies the stored gradient. On a
+    telemetry step its output gradient is counted under ``name``."""
 
-    def __init__(self, fn: Callable, name: str, state: AdaptiveState) -> None:
+    def __init__(
+        self, fn: Callable, label: str, name: str, state: AdaptiveState, point_index: int | None
+    ) -> None:
         super().__init__()
         self.fn = fn
+        self.label = label
         self.name = name
+        self.point_index = point_index
         object.__setattr__(self, "state", state)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return _probed(self.fn(*args, **kwargs), self.name, self.state)
+        operands = _matmul_operands(self.label, args, kwargs) if self.point_index is not None else None
+        if operands is None or not torch.is_grad_enabled():
+            return _probed(self.fn(*args, **kwargs), self.name, self.state)
+        emu = active_emulation()
+        if emu is None or emu.fmt is None:
+            y = self.fn(*args, **kwargs)
+        else:  # as the emulation runs a GEMM op: inputs stored in the format, the output rounded (below)
+            args = tuple(_stored(a, emu) for a in args)
+            kwargs = {k: _stored(v, emu) for k, v in kwargs.items()}
+            with torch._C.DisableTorchFunction():
+                y = self.fn(*args, **kwargs)
+            operands = _matmul_operands(self.label, args, kwargs)
+        point = self.state.gemms[self.point_index]
+        return _scaled(y, point, self.state, MatmulOperands(*operands), emu, True, self.name)
+
+    def fusable(self) -> bool:
+        return self.point_index is None
 
     def extra_repr(self) -> str:
-        return f"{self.name}, alpha passes through"
+        scaled = self.point_index is not None
+        return f"{self.name}, {'adaptive loss scaling' if scaled else 'alpha passes through'}"
+
+
+_MATMUL_ARGS = {
+    "matmul": ("input", "other"),
+    "mm": ("input", "mat2"),
+    "bmm": ("input", "mat2"),
+    "baddbmm": ("input", "batch1", "batch2"),
+    "addmm": ("input", "mat1", "mat2"),
+    "linear": ("input", "weight"),
+}
+
+
+def _matmul_operands(label: str, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(a, b)`` of ``a @ b`` for a product op (``F.linear``'s weight transposed); None if not tensors."""
+    names = _MATMUL_ARGS.get(label)
+    if names is None:
+        return None
+    bound = dict(zip(names, args, strict=False))
+    bound.update({k: v for k, v in kwargs.items() if k in names})
+    a, b = (bound.get(n) for n in names[-2:])
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return None
+    return (a, b.transpose(-2, -1) if label == "linear" and b.dim() > 1 else b)
+
+
+def _stored(a: Any, emu: Any) -> Any:
+    """An input of a GEMM op as the emulation stores it (rounded to the format, its gradient too)."""
+    if isinstance(a, torch.Tensor) and a.is_floating_point() and not is_low_precision(a):
+        return round_value(a, emu.fmt, None, emu.grad_fmt)
+    return a
+
+
+def _scaled(
+    y: torch.Tensor, point: Any, state: AdaptiveState, operands: Any, emu: Any, round_out: bool, probe: str
+) -> torch.Tensor:
+    """``y`` behind its :class:`ScaledProduct` and, when the emulation stores it in the format, behind the
+    :class:`GradRound` that stores its gradient there (counted under ``probe`` on a telemetry step)."""
+    fmt = emu.fmt if emu is not None and round_out else None
+    y = ScaledProduct.apply(y, point, state, operands, fmt)
+    if fmt is not None:
+        return GradRound.apply(y, state, emu.grad_fmt, emu.probe_for(probe))
+    return _probed(y, probe, state)
 
 
 class AttentionCore(nn.Module):
-    """Attention between the projections: ``F.scaled_dot_product_attention`` called by the model
-    (``kind="sdpa"``, the call's own arguments), or the part of an ``nn.MultiheadAttention`` call between
-    its input and output projections (``kind="mha"``: mask handling, heads, attention, dropout while
-    ``self.training``), computed as ``F.multi_head_attention_forward`` computes it.
+    """Attention between the projections, and a scaling point of its own: ``F.scaled_dot_product_attention``
+    called by the model (``kind="sdpa"``, the call's own arguments), or the part of an
+    ``nn.MultiheadAttention`` call between its input and output projections (``kind="mha"``: mask handling,
+    heads, attention, dropout while ``self.training``), computed as ``F.multi_head_attention_forward``
+    computes it.
 
-    Alpha passes through. On a telemetry step it counts two products under ``<name>.values`` (the output
-    gradient of the attention-weighted values) and ``<name>.scores`` (the gradient of the scores
-    ``Q K^T``): with ``need_weights=True`` both are tensors of the explicit computation; inside scaled
-    dot-product attention the scores' gradient exists only in the kernel, so :class:`AttentionProbe`
-    recomputes it from the saved inputs and counts what storing it in the gradient format would lose (as
-    GPU attention kernels store it in FP16 before its two products; attention dropout is not replayed).
-    Cost outside telemetry steps: one Python module call.
+    Its beta (:class:`ScaledProduct` with :class:`AttentionOperands`) covers the attention's four products:
+    the gradient of its output is multiplied by beta before the attention's backward, so the query, key
+    and value gradients all leave with ``alpha * beta``. On a telemetry step it counts two products under
+    ``<name>.values`` (the output gradient of the attention-weighted values) and ``<name>.scores`` (the
+    gradient of the scores ``Q K^T``: a tensor of the explicit computation with ``need_weights=True``,
+    else recomputed, see :class:`AttentionOperands`). Cost outside recompute and telemetry steps: one
+    Python module call and one multiply of the output gradient by beta.
     """
 
     def __init__(
-        self, kind: str, name: str, state: AdaptiveState, config: dict[str, Any] | None = None
+        self,
+        kind: str,
+        name: str,
+        state: AdaptiveState,
+        point_index: int | None,
+        config: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         self.kind = kind
         self.name = name
+        self.point_index = point_index
         object.__setattr__(self, "state", state)
         config = dict(config or {})
         mha = config.pop("module", None)
@@ -399,28 +496,47 @@ class AttentionCore(nn.Module):
             return self._sdpa(*args, **kwargs)
         return self._mha(*args)
 
+    def fusable(self) -> bool:
+        return self.point_index is None
+
     def extra_repr(self) -> str:
-        return f"{self.name}, {self.kind}, alpha passes through"
+        scaled = self.point_index is not None
+        return f"{self.name}, {self.kind}, {'adaptive loss scaling' if scaled else 'alpha passes through'}"
 
     def _sdpa(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        out = F.scaled_dot_product_attention(*args, **kwargs)
-        tele = _telemetry(self.state)
-        if tele is None or not out.requires_grad:
-            return out
+        if not torch.is_grad_enabled():
+            return F.scaled_dot_product_attention(*args, **kwargs)
         bound = _SDPA_SIGNATURE.bind(*args, **kwargs).arguments
-        emu, fmt = tele
-        return AttentionProbe.apply(
-            out,
-            bound["query"],
-            bound["key"],
-            bound["value"],
-            bound.get("attn_mask"),
+        q, k, v, mask = bound["query"], bound["key"], bound["value"], bound.get("attn_mask")
+        tele = _telemetry(self.state)
+        if self.point_index is None:  # alpha passes through; telemetry only
+            out = F.scaled_dot_product_attention(*args, **kwargs)
+            if tele is None or not out.requires_grad:
+                return out
+            is_causal, scale = bool(bound.get("is_causal", False)), bound.get("scale")
+            scores = AttentionOperands(
+                q, k, v, mask, is_causal, scale, tele[0].probe_for(f"{self.name}.scores")
+            )
+            return GradProbe.apply(out, tele[0].probe_for(f"{self.name}.values"), tele[1], scores)
+        emu = active_emulation()
+        if emu is None or emu.fmt is None:
+            out, round_out = F.scaled_dot_product_attention(*args, **kwargs), False
+        else:  # as the emulation runs an op of no autocast list: rounded if every input is in the format
+            floats = [t for t in (q, k, v, mask) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+            round_out = all(is_low_precision(t) for t in ([t for t in floats if t.dim() > 0] or floats))
+            with torch._C.DisableTorchFunction():
+                out = F.scaled_dot_product_attention(*args, **kwargs)
+        operands = AttentionOperands(
+            q,
+            k,
+            v,
+            mask,
             bool(bound.get("is_causal", False)),
             bound.get("scale"),
-            emu.probe_for(f"{self.name}.values"),
-            emu.probe_for(f"{self.name}.scores"),
-            fmt,
+            tele[0].probe_for(f"{self.name}.scores") if tele is not None else None,
         )
+        point = self.state.gemms[self.point_index]
+        return _scaled(out, point, self.state, operands, emu, round_out, f"{self.name}.values")
 
     def _mha(self, *args: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Between the projections of ``F.multi_head_attention_forward`` (the same ops in the same order)."""
@@ -468,15 +584,7 @@ class AttentionCore(nn.Module):
             attn_mask = key_padding_mask if attn_mask is None else attn_mask + key_padding_mask
         dropout_p = self.dropout if self.training else 0.0
         if need_weights:
-            q_scaled = q * math.sqrt(1.0 / float(q.shape[-1]))
-            if attn_mask is not None:
-                weights = torch.baddbmm(attn_mask, q_scaled, k.transpose(-2, -1))
-            else:
-                weights = torch.bmm(q_scaled, k.transpose(-2, -1))
-            weights = F.softmax(_probed(weights, f"{self.name}.scores", self.state), dim=-1)
-            if dropout_p > 0.0:
-                weights = F.dropout(weights, p=dropout_p)
-            out = _probed(torch.bmm(weights, v), f"{self.name}.values", self.state)
+            out, weights = self._explicit(q, k, v, attn_mask, dropout_p)
             out = out.transpose(0, 1).reshape(tgt_len * bsz, e)
             weights = weights.view(bsz, heads, tgt_len, src_len)
             if cfg["average_attn_weights"]:
@@ -492,6 +600,32 @@ class AttentionCore(nn.Module):
         v = v.view(bsz, heads, src_len, head_dim)
         out = self._sdpa(q, k, v, attn_mask, dropout_p, is_causal)
         return out.permute(2, 0, 1, 3).reshape(bsz * tgt_len, e), None
+
+    def _explicit(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``need_weights=True``: scores, softmax, dropout and the weighted values as explicit ops (those of
+        ``F.multi_head_attention_forward``); the point sits on the weighted values' product."""
+        q_scaled = q * math.sqrt(1.0 / float(q.shape[-1]))
+        if mask is not None:
+            weights = torch.baddbmm(mask, q_scaled, k.transpose(-2, -1))
+        else:
+            weights = torch.bmm(q_scaled, k.transpose(-2, -1))
+        weights = F.softmax(_probed(weights, f"{self.name}.scores", self.state), dim=-1)
+        if dropout_p > 0.0:
+            weights = F.dropout(weights, p=dropout_p)
+        emu = active_emulation()
+        if not torch.is_grad_enabled() or self.point_index is None:
+            return _probed(torch.bmm(weights, v), f"{self.name}.values", self.state), weights
+        if emu is None or emu.fmt is None:
+            out = torch.bmm(weights, v)
+        else:
+            stored = _stored(weights, emu), _stored(v, emu)
+            with torch._C.DisableTorchFunction():
+                out = torch.bmm(*stored)
+        operands = AttentionOperands(q_scaled, k, v, mask, False, 1.0)
+        point = self.state.gemms[self.point_index]
+        return _scaled(out, point, self.state, operands, emu, True, f"{self.name}.values"), weights
 
 
 _SDPA_SIGNATURE = inspect.Signature(

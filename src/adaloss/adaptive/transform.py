@@ -433,8 +433,13 @@ def _set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
     setattr(parent, name, module)
 
 
-def attach_adaptive(model: nn.Module, state: AdaptiveState) -> fx.GraphModule:
-    """Trace ``model`` and return the rewritten module (sharing ``model``'s parameters and buffers)."""
+def attach_adaptive(model: nn.Module, state: AdaptiveState, product_betas: bool = True) -> fx.GraphModule:
+    """Trace ``model`` and return the rewritten module (sharing ``model``'s parameters and buffers).
+
+    ``product_betas``: activation-by-activation products and attention calls get a beta of their own
+    (:class:`~adaloss.adaptive.ops.ScaledProduct`); without, alpha passes through them unchanged (and a
+    model whose GEMMs all have fused forms keeps the fused C++ nodes).
+    """
     tracer = AdaptiveTracer()
     try:
         graph = tracer.trace(model)
@@ -469,6 +474,7 @@ def attach_adaptive(model: nn.Module, state: AdaptiveState) -> fx.GraphModule:
     gemm_params: dict[int, nn.Parameter] = {}  # every parameter a GEMM point multiplies by (or adds)
     weight_params: dict[int, nn.Parameter] = {}  # the parameters under GEMM weights
     chains: set[fx.Node] = set()  # nodes that hold a parameter (or a fixed view of one) a GEMM uses
+    products: list[fx.Node] = []
 
     def own(w_chain: list[fx.Node], b_chain: list[fx.Node]) -> None:
         """Record the parameters behind a GEMM's weight and bias chains."""
@@ -556,18 +562,21 @@ def attach_adaptive(model: nn.Module, state: AdaptiveState) -> fx.GraphModule:
             new = replace(node, f"_adaloss_leaf_{len(leaf_nodes)}", leaf, node.args, node.kwargs)
             leaf_nodes[new] = leaf
             point_modules.append(leaf)
+            continue
+        # d. an activation-by-activation product or an attention call: Algorithm 4 with the operands
+        module = _product_module(node, state, tracer, point_name, product_betas)
+        if module is not None:
+            args = node.args[1:] if node.op == "call_function" and node.target is mha_core else node.args
+            new = replace(node, f"_adaloss_product_{len(products)}", module, args, node.kwargs)
+            products.append(new)
+            if module.point_index is not None:
+                gemm_nodes[new] = state.gemms[module.point_index]
+                weight_args[new] = set()
+                point_modules.append(module)
     for path, wrapper in wrappers.items():
         _set_submodule(gm, path, wrapper)
 
-    # 2. Activation-by-activation products and attention: named for telemetry; alpha passes through ----
-    products: Counter[str] = Counter()
-    for node in list(graph.nodes):
-        module = _product_module(node, state, tracer, products)
-        if module is not None:
-            args = node.args[1:] if node.op == "call_function" and node.target is mha_core else node.args
-            replace(node, f"_adaloss_product_{sum(products.values())}", module, args, node.kwargs)
-
-    # 3. Other uses of GEMM parameters (a token embedding tied to the output projection): unscaled in the
+    # 2. Other uses of GEMM parameters (a token embedding tied to the output projection): unscaled in the
     #    backward pass by their own alpha, as each GEMM call's contribution is --------------------------
     for node in list(graph.nodes):
         holds = node in chains or (node.op == "get_attr" and id(_get_attr(gm, node.target)) in gemm_params)
@@ -606,7 +615,7 @@ def attach_adaptive(model: nn.Module, state: AdaptiveState) -> fx.GraphModule:
         tied.calls.append(points)
         tied_nodes[node] = points
 
-    # 4. Branch points at values with several consumers ---------------------------------------------
+    # 3. Branch points at values with several consumers ---------------------------------------------
     metadata: dict[fx.Node, bool] = {}
     for node in list(graph.nodes):
         if node.op == "output" or _is_metadata(node, metadata) or _is_container(node):
@@ -623,7 +632,7 @@ def attach_adaptive(model: nn.Module, state: AdaptiveState) -> fx.GraphModule:
         point = state.add_branch(node.name)
         branch_nodes.update(_insert_branch(gm, graph, point, state, [node] * len(users), users, node))
 
-    # 5. Slots, from the outputs back to the inputs --------------------------------------------------
+    # 4. Slots, from the outputs back to the inputs --------------------------------------------------
     slot: dict[fx.Node, int | None] = {}
 
     def user_slot(user: fx.Node, node: fx.Node) -> int | None:
@@ -651,6 +660,10 @@ def attach_adaptive(model: nn.Module, state: AdaptiveState) -> fx.GraphModule:
         if _is_container(node) and len(users) > 1:
             slots = {slot.get(g) for g in users} - {None}
             if len(slots) > 1:  # outputs of one op reach points with different alphas: rescale them
+                prev = node  # the outputs right after the op, so the branch precedes all their consumers
+                for g in sorted(users, key=lambda g: _position(graph, g)):
+                    prev.append(g)
+                    prev = g
                 point = state.add_branch(f"{node.name}.outputs")
                 inserted = _insert_branch(gm, graph, point, state, users, None, None)
                 point.in_slots = [slot[g] for g in users]
@@ -686,8 +699,8 @@ def attach_adaptive(model: nn.Module, state: AdaptiveState) -> fx.GraphModule:
         branch = src.args[0]
         if branch not in branch_nodes or len(src.users) != 1:
             continue
-        if _get_attr(gm, node.target).pad_mode != "zeros":
-            continue  # F.pad sits between the alias and the GEMM
+        if getattr(_get_attr(gm, node.target), "pad_mode", None) != "zeros":
+            continue  # a product (no ScaledGEMM), or F.pad sits between the alias and the GEMM
         point.feeds = (branch_nodes[branch].index, src.args[1])
 
     # Parameters of non-GEMM ops are scaled by the alpha of their op's output gradient.
@@ -887,23 +900,25 @@ def _functional_gemm(gm: fx.GraphModule, node: fx.Node) -> tuple | None:
 
 
 def _product_module(
-    node: fx.Node, state: AdaptiveState, tracer: AdaptiveTracer, counter: Counter[str]
+    node: fx.Node, state: AdaptiveState, tracer: AdaptiveTracer, point_name: Any, scaled: bool
 ) -> nn.Module | None:
-    """The telemetry module for an attention call or an activation-by-activation product (None if ``node``
-    is neither). Names: ``<module path>.<op>`` (``#k`` for the k-th more in one module), and for attention
-    ``<path>``, whose products are ``<path>.scores`` and ``<path>.values``."""
-
-    def unique(base: str) -> str:
-        k = counter[base]
-        counter[base] += 1
-        return base if k == 0 else f"{base}#{k}"
-
+    """The module, with its scaling point, for an attention call or an activation-by-activation product
+    (None if ``node`` is neither). Names: ``<module path>.<op>`` (``#k`` for the k-th more), and for
+    attention ``<module path>``, whose products telemetry counts as ``<path>.scores`` and
+    ``<path>.values``."""
     path = _module_path(node)
+
+    def point(name: str) -> tuple[str, int | None]:
+        name = point_name(name)
+        return name, (state.add_gemm(name, kind="product").index if scaled else None)
+
     if node.op == "call_function" and node.target is mha_core:
         config = tracer.cores[node.args[0]]
-        return AttentionCore("mha", unique(config["path"] or "attention"), state, config)
+        name, index = point(config["path"] or "attention")
+        return AttentionCore("mha", name, state, index, config)
     if node.op == "call_function" and node.target is F.scaled_dot_product_attention:
-        return AttentionCore("sdpa", unique(path or "attention"), state)
+        name, index = point(path or "attention")
+        return AttentionCore("sdpa", name, state, index)
     if node.op == "call_function" and node.target in PRODUCT_FUNCTIONS:
         fn, label = node.target, PRODUCT_FUNCTIONS[node.target]
     elif node.op == "call_method" and node.target in PRODUCT_METHODS:
@@ -911,7 +926,11 @@ def _product_module(
         label = fn.__name__
     else:
         return None
-    return Product(fn, unique(f"{path}.{label}" if path else label), state)
+    base = f"{path}.{label}" if path else label
+    if label == "einsum":  # no beta of its own: alpha passes through
+        return Product(fn, label, point_name(base), state, None)
+    name, index = point(base)
+    return Product(fn, label, name, state, index)
 
 
 def _leaf_names(user: fx.Node, node: fx.Node, leaf: LeafGEMMs) -> list[str]:

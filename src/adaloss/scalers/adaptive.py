@@ -120,6 +120,11 @@ class AdaptiveLossScaler(LossScaler):
             this must stay False there.
         growth_interval (int, optional, default=2000): clean steps before a lowered ``alpha_{N+1}`` doubles.
         enabled (bool, optional, default=True): ``False`` makes every method a passthrough.
+        product_betas (bool, optional, default=True): give activation-by-activation products (``matmul``,
+            ``bmm``, ``@``) and attention calls (``F.scaled_dot_product_attention``,
+            ``nn.MultiheadAttention``) a beta of their own, Algorithm 4 with the other operand in the
+            weight's place (:func:`adaloss.adaptive.ops.product_beta`); ``False``: alpha passes through them
+            unchanged.
         device_path (bool, optional, default=False): take the code path a GPU takes on the CPU too: on
             recompute steps the statistics, betas and alphas are tensors (no host floats, no fused C++
             nodes); the steps in between run on host copies of the betas, as on a GPU. For tests and
@@ -143,6 +148,7 @@ class AdaptiveLossScaler(LossScaler):
         scale_upper_bound: float | str | None = "auto",
         accum_upper_bound: float | str | None = "auto",
         device_path: bool = False,
+        product_betas: bool = True,
     ) -> None:
         t_uf = _number(t_uf, "scaler.t_uf")
         if not 0.0 < t_uf < 1.0:
@@ -176,6 +182,9 @@ class AdaptiveLossScaler(LossScaler):
         if not isinstance(device_path, bool):
             raise ConfigError(f"scaler.device_path must be true or false, got {device_path!r}")
         self.device_path = device_path
+        if not isinstance(product_betas, bool):
+            raise ConfigError(f"scaler.product_betas must be true or false, got {product_betas!r}")
+        self.product_betas = product_betas
         self.t_uf = t_uf
         self.update_every = update_every
         self.allow_below_one = allow_below_one
@@ -221,6 +230,7 @@ class AdaptiveLossScaler(LossScaler):
             "scale_upper_bound",
             "accum_upper_bound",
             "device_path",
+            "product_betas",
         }
         unknown = sorted(set(cfg.keys()) - known)
         if unknown:
@@ -241,6 +251,7 @@ class AdaptiveLossScaler(LossScaler):
             scale_upper_bound=cfg.get("scale_upper_bound", "auto"),
             accum_upper_bound=cfg.get("accum_upper_bound", "auto"),
             device_path=cfg.get("device_path", False),
+            product_betas=cfg.get("product_betas", True),
         )
 
     # ------------------------------------------------------------------ model
@@ -260,7 +271,7 @@ class AdaptiveLossScaler(LossScaler):
             # A group of its own: these collectives are issued from inside the backward pass, interleaved
             # with DDP's bucket all-reduces; on a separate communicator their relative order cannot matter.
             state.reduce_fn = _StatisticsReducer(torch.distributed.new_group())
-        gm = attach_adaptive(model, state)
+        gm = attach_adaptive(model, state, self.product_betas)
         self.state = state
         # GEMM parameters' gradients are unscaled in the backward pass, use by use (the transform lists them)
         self._gemm_param_ids = {id(p) for p in state.unscaled_params}
