@@ -237,8 +237,8 @@ def _assert_exact(reference: nn.Module, attached: nn.Module) -> None:
 
 
 #: bounds on beta: the rule's defaults, or at most 2 per point (so the scale builds up over many points,
-#: attention's included, and branches meet different alphas)
-BOUNDS = {"default": {}, "spread": {"scale_upper_bound": 2.0, "accum_upper_bound": None}}
+#: attention's included, and branches meet different alphas) from a root scale alpha_{N+1} of 4
+BOUNDS = {"default": {}, "spread": {"scale_upper_bound": 2.0, "accum_upper_bound": None, "init_scale": 4.0}}
 
 
 @pytest.mark.parametrize("bounds", sorted(BOUNDS))
@@ -267,8 +267,10 @@ def test_reuse_steps_and_pass_through_products_stay_exact(case):
     ``product_betas=False`` products have no point and alpha passes through them: exact either way."""
     factory, batch = CASES[case]
     kinds = []
-    for scaler in _run(factory, batch, "reference", update_every=3, steps=3):
+    for scaler in _run(factory, batch, "reference", update_every=3, steps=3, **BOUNDS["spread"]):
         kinds.append((scaler.state.recompute, scaler.state.host))
+        betas, points = scaler.layer_betas(), scaler.state.gemms
+        assert all(betas[p.name] > 1 for p in points if p.kind == "product"), betas
     assert kinds == [(True, False), (False, True), (False, True)]
     (plain,) = list(_run(factory, batch, "paper", product_betas=False))
     assert not [p for p in plain.state.gemms if p.kind == "product"]
@@ -471,6 +473,38 @@ def test_no_host_sync_in_the_gpt_backward_pass(backend, dtype_name):
     assert kinds == [(True, False), (False, True), (True, False)]
     assert len(set(scaler.layer_betas().values())) > 1
     assert scaler.state.unscales, "the tied embedding's use is unscaled by its own point"
+
+
+def _emulated_gpt_run(device_path: bool) -> tuple[list[dict[str, float]], list[torch.Tensor]]:
+    """Four steps of the GPT in emulated FP16 (update_every=2): each step's betas, the final weights."""
+    torch.manual_seed(0)
+    precision = Precision("fp16", "cpu")
+    scaler = AdaptiveLossScaler(update_every=2, fmt=precision.grad_format, device_path=device_path)
+    model = precision.prepare(scaler.attach(TinyGPT()))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    betas = []
+    for _ in range(4):
+        x, y = _tokens(g, torch.float32)
+        with precision.autocast():
+            loss = _loss(model(x), y) * 2.0**-8
+        scaler.scale(loss).backward()
+        betas.append(scaler.layer_betas())
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+    return betas, [p.detach().clone() for p in model.parameters()]
+
+
+def test_host_and_device_paths_train_the_gpt_alike():
+    """On the CPU a recompute pass runs on host floats (native kernels), on a GPU on device tensors
+    (``device_path=True`` takes that path here): both give the GPT the same betas, product points and the
+    tied embedding included, and train the same weights bit for bit."""
+    host_betas, host_weights = _emulated_gpt_run(False)
+    device_betas, device_weights = _emulated_gpt_run(True)
+    assert host_betas == device_betas
+    assert any(b > 1 for step in host_betas for b in step.values())
+    assert all(torch.equal(a, b) for a, b in zip(host_weights, device_weights, strict=True))
 
 
 # ----------------------------------------------------------------------------------------------- semantics
