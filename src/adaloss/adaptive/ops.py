@@ -15,9 +15,13 @@ between points and pass alpha through unchanged (section 3.2.2), so they need no
   FP16 training; scaling the weight instead would overflow wherever ``beta * W`` does) and emits
   ``alpha_j * beta``; computes the weight gradient from ``delta_j`` and divides it by ``alpha_j`` in FP32 so
   the master weights receive true gradients.
+* :class:`ScaledProduct` (an activation-by-activation product, an attention call): the same
+  ``Backprop(beta * delta_j)`` with the beta of :func:`product_beta` (Algorithm 4 with the other operand in
+  the weight's place); no weight gradient to unscale.
 * :class:`Rescale` (branches, Algorithm 5): all gradients flowing into one tensor arrive together; they are
   brought to one common alpha (:func:`~adaloss.adaptive.rules.branch_loss_scale`) and summed, the rescaling
   fused into the sum.
+* :class:`ParamUnscale`: a non-GEMM use of a GEMM's parameter (a tied embedding), unscaled by its own alpha.
 
 Nothing here synchronizes host and device, and nothing copies host data to a device during a backward pass:
 the statistics, betas and alphas stay on the device as tensors, and each layer's constants of Algorithm 4

@@ -1,19 +1,30 @@
 """Rewrite an unmodified model so its backward pass carries ``<alpha, delta>`` (torch.fx).
 
-:func:`attach_adaptive` traces the model with ``torch.fx.symbolic_trace`` and edits the graph in three passes:
+:func:`attach_adaptive` traces the model (with :class:`~adaloss.adaptive.attention.AdaptiveTracer`, which
+also traces through ``nn.MultiheadAttention`` and the ``nn.Transformer*`` modules) and edits the graph in
+four passes:
 
-1. **GEMM points.** Every call of a conv / transposed conv / linear module becomes a call of an
-   :class:`AdaptiveGEMM` installed at the same module path. It holds the *same* parameter objects under the
-   same names, so ``state_dict()`` keys, optimizers and checkpoints are unchanged. A module called k times
-   gets k scaling points (``fc``, ``fc#1``, ...).
-2. **Branch points.** Every value consumed by several ops (a residual shortcut, a feature map feeding a
-   detection head and the next layer, a parameter used twice) gets a :class:`BranchModule` that hands each
-   consumer its own alias, so the consumers' gradients meet in one backward call (Algorithm 5). An op with
-   several outputs whose gradients would carry different alphas (``split``, ``chunk``) gets one too.
-3. **Slots.** Walking the graph from the outputs back to the inputs, each value learns which point emitted
-   the alpha of its gradient: the loss (slot 0), the GEMM or branch point that consumes it, or, through any
-   other (element-wise) op, whatever that op's output received. GEMM and branch points read their incoming
-   alpha from that slot; parameters of non-GEMM ops (batch-norm affine weights, ...) are unscaled by it.
+1. **GEMM points**, in network order. Every call of a conv / transposed conv / linear module becomes a call
+   of an :class:`AdaptiveGEMM` installed at the same module path. It holds the *same* parameter objects under
+   the same names, so ``state_dict()`` keys, optimizers and checkpoints are unchanged. A module called k times
+   gets k scaling points (``fc``, ``fc#1``, ...). ``F.linear``, ``F.conv*`` and ``x @ W`` whose weight is a
+   parameter or a fixed view of one (a slice of a packed weight) become :class:`FunctionalGEMM` calls that
+   take the weight as a graph value; functions fx keeps as leaves that hold GEMMs (Swin's attention,
+   ``LEAF_GEMMS``) become :class:`~adaloss.adaptive.attention.LeafGEMMs`; activation-by-activation products
+   and attention calls become :class:`~adaloss.adaptive.attention.Product` /
+   :class:`~adaloss.adaptive.attention.AttentionCore` points (kind "product").
+2. **Other uses of GEMM parameters** (a token embedding whose weight is also the output projection's): a
+   :class:`ParamUnscaleModule` on each such use, or an :class:`UnscaledParams` around a module holding one,
+   so each use's gradient is unscaled by its own alpha, as each GEMM call's is.
+3. **Branch points.** Every value consumed by several ops (a residual shortcut, a feature map feeding a
+   detection head and the next layer, a parameter used twice by non-GEMM ops) gets a :class:`BranchModule`
+   that hands each consumer its own alias, so the consumers' gradients meet in one backward call
+   (Algorithm 5). An op with several outputs whose gradients would carry different alphas (``split``,
+   ``chunk``) gets one too. GEMM parameters get none: their gradients arrive unscaled.
+4. **Slots.** Walking the graph from the outputs back to the inputs, each value learns which point emitted
+   the alpha of its gradient: the loss (slot 0), the GEMM, product or branch point that consumes it, or,
+   through any other (element-wise) op, whatever that op's output received. Points read their incoming
+   alpha from that slot; parameters of non-GEMM ops (normalization weights, ...) are unscaled by it.
 
 Models fx cannot trace (control flow on tensor values, ...) get an :class:`AdaptiveTransformError` naming the
 construct.

@@ -25,8 +25,10 @@ class AdaptiveLossScaler(LossScaler):
     """Layer-wise loss scaling computed from each layer's statistics during the backward pass.
 
     * ``attach(model)`` rewrites the model (torch.fx) so its backward pass carries the pair
-      ``<alpha, delta>``: at every conv/linear layer a local scale ``beta`` is computed from the layer's
-      weight and incoming gradient (Algorithm 4), the incoming gradient is scaled by it before the input
+      ``<alpha, delta>``: at every conv/linear layer (every GEMM with a weight, attention's included; with
+      ``product_betas``, every activation-by-activation product too) a local scale ``beta`` is computed
+      from the layer's weight and incoming gradient (Algorithm 4), the incoming gradient is scaled by it
+      before the input
       gradient is computed (Algorithm 3), which then carries ``alpha * beta``, and gradients meeting at a
       branch are rescaled to one common alpha before they are summed (Algorithm 5). Element-wise ops pass
       alpha through. ``rule`` chooses how beta is computed: ``"reference"`` (default), what the authors'
@@ -63,8 +65,9 @@ class AdaptiveLossScaler(LossScaler):
     the steps in between go without them; the attached model notes at each forward pass which parameters
     and inputs require gradients, and a change there (unfreezing a stage) makes that step a recompute step.
 
-    Where gradients are unscaled: conv/linear weight and bias gradients during the backward pass, per call of
-    the layer (so a layer used twice gets each contribution unscaled by its own alpha); gradients of other
+    Where gradients are unscaled: GEMM weight and bias gradients during the backward pass, per call of the
+    layer (so a layer used twice gets each contribution unscaled by its own alpha; so does another use of a
+    GEMM's weight, such as a tied token embedding); gradients of other
     parameters (batch-norm affine weights, ...) in ``unscale_``, by the alpha of their op's output gradient.
     Parameters outside the attached model are assumed to get their gradient through the loss and are
     unscaled by ``alpha_{N+1}``.
