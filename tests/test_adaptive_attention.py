@@ -395,6 +395,42 @@ def test_product_betas_lower_attention_and_qkv_underflow():
     assert sum(on[k] < off[k] for k in off) >= 6
 
 
+def test_product_betas_combine_the_statistics_of_all_ranks():
+    """Under DDP a product's operands and gradients differ between ranks, so :func:`product_beta` combines
+    each tensor's second moment and max over the ranks (the same ``reduce_fn`` as the GEMM points'): each
+    rank then gets the beta of the whole batch. Two ranks simulated in one process: rank 1's statistics
+    are recorded, rank 0's reducer combines them with its own as the all-gather would; here rank 0 alone
+    would pick another beta."""
+    from adaloss.adaptive.ops import MatmulOperands, product_beta
+
+    rule = AdaptiveLossScaler(rule="paper").rule
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(4, 6, 5, generator=g, dtype=torch.float64).requires_grad_()
+    b = torch.randn(4, 5, 7, generator=g, dtype=torch.float64).requires_grad_()
+    delta = torch.randn(4, 6, 7, generator=g, dtype=torch.float64) * 1e-9
+    delta[:2] *= 1e-3  # rank 0's half of the batch has much smaller gradients
+    halves = [(a[:2], b[:2], delta[:2]), (a[2:], b[2:], delta[2:])]
+    recorded = []
+
+    def record(ms, top):
+        recorded.append((ms, top))
+        return ms, top
+
+    def combine(ms, top):  # rank 0 meets rank 1's statistics, in the same order
+        other_ms, other_top = recorded.pop(0)
+        return (ms + other_ms) / 2, torch.maximum(top, other_top)
+
+    def beta(half, reduce_fn=None):
+        x, w, d = half
+        return product_beta(MatmulOperands(x, w).pairs(d), rule, 1.0, reduce_fn).item()
+
+    whole = beta((a, b, delta))
+    beta(halves[1], record)
+    assert beta(halves[0], combine) == whole
+    assert not recorded  # every statistic was combined
+    assert beta(halves[0]) != whole  # alone, rank 0 would choose another beta
+
+
 def test_the_scores_gradient_recomputed_for_telemetry_is_autograds():
     """``AttentionOperands`` recomputes the attention scores' gradient dS (which only exists inside the
     attention kernel) from query, key, value and the output gradient: it equals autograd's gradient of the
