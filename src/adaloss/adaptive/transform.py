@@ -643,6 +643,16 @@ def attach_adaptive(model: nn.Module, state: AdaptiveState, product_betas: bool 
         point = state.add_branch(node.name)
         branch_nodes.update(_insert_branch(gm, graph, point, state, [node] * len(users), users, node))
 
+    # An op that writes into a point's output or a branch alias (``nn.ReLU(inplace=True)`` right after a
+    # conv, ``x += y``) must not write into a view one of our autograd nodes returned: it gets a copy then.
+    aliases = [g for b in branch_nodes for g in b.users]
+    for node in [*gemm_nodes, *leaf_nodes, *aliases]:
+        for user in list(node.users):
+            if _mutates_first_argument(gm, user, node):
+                with graph.inserting_before(user):
+                    copy = graph.call_function(writable, (node,))
+                user.replace_input_with(node, copy)
+
     # 4. Slots, from the outputs back to the inputs --------------------------------------------------
     slot: dict[fx.Node, int | None] = {}
 
@@ -780,6 +790,45 @@ _VIEW_FUNCTIONS = {
     torch.squeeze,
     torch.unsqueeze,
 }
+
+
+def writable(x: torch.Tensor) -> torch.Tensor:
+    """``x``, or a copy of it if it is a view (what an identity autograd node returns, or a linear layer's
+    output on a 3-D input): the input of an op that writes in place. Costs a copy only for views."""
+    return x.clone() if x._base is not None else x
+
+
+_INPLACE_OPERATORS = {
+    operator.iadd,
+    operator.isub,
+    operator.imul,
+    operator.itruediv,
+    operator.ifloordiv,
+    operator.imod,
+    operator.ipow,
+    operator.imatmul,
+    operator.iand,
+    operator.ior,
+    operator.ixor,
+}
+
+
+def _mutates_first_argument(gm: fx.GraphModule, user: fx.Node, node: fx.Node) -> bool:
+    """Whether ``user`` writes into ``node``, its first argument: a module built with ``inplace=True``, a
+    method or function named with a trailing underscore (``relu_``), an augmented assignment, or a call
+    with ``inplace=True``."""
+    if not user.args or user.args[0] is not node:
+        return False
+    if user.op == "call_module":
+        return getattr(gm.get_submodule(user.target), "inplace", False) is True
+    if user.op == "call_method":
+        return user.target.endswith("_") and not user.target.startswith("_")
+    if user.op == "call_function":
+        if user.target in _INPLACE_OPERATORS or user.kwargs.get("inplace") is True:
+            return True
+        name = getattr(user.target, "__name__", "")
+        return name.endswith("_") and not name.startswith("_")
+    return False
 
 
 def _bind(node: fx.Node, names: tuple[str, ...], start: int = 0) -> dict[str, Any] | None:
