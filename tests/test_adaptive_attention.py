@@ -200,6 +200,30 @@ class InPlace(nn.Module):
         return self.out(self.fc2(u).relu_().mean(1))
 
 
+class Functional(nn.Module):
+    """GEMMs called as functions with parameters: ``F.conv2d`` with ``padding="same"`` and groups,
+    ``F.conv_transpose2d`` with stride, ``x @ W``, ``x @ W.T`` and ``torch.mm`` on slices of one weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv_w = nn.Parameter(torch.randn(6, 3, 3, 3) * 0.3)
+        self.conv_b = nn.Parameter(torch.randn(6) * 0.1)
+        self.grouped_w = nn.Parameter(torch.randn(6, 2, 3, 3) * 0.3)
+        self.up_w = nn.Parameter(torch.randn(6, 4, 2, 2) * 0.3)
+        self.proj = nn.Parameter(torch.randn(4, 8) * 0.3)  # (in, out): used as x @ W
+        self.packed = nn.Parameter(torch.randn(16, 8) * 0.3)  # two (out, in) halves
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(F.conv2d(x, self.conv_w, self.conv_b, padding="same"))
+        h = torch.relu(F.conv2d(h, self.grouped_w, None, 1, 1, 1, 3))
+        h = F.conv_transpose2d(h, self.up_w, stride=2)  # (B, 4, 32, 32)
+        t = h.mean((2, 3))  # (B, 4)
+        u = torch.tanh(t @ self.proj)
+        v = torch.tanh(u @ self.packed[:8].T) + torch.mm(u, self.packed[8:].t())
+        return self.head(v)
+
+
 def _images(g: torch.Generator, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(2, 3, 16, 16, generator=g, dtype=dtype), torch.randint(0, 10, (2,), generator=g)
 
@@ -222,6 +246,7 @@ CASES = {
     "swin": (lambda: _swin((2, 1)), _images),  # the second block of stage one shifts its windows
     "swin_v2": (_swin_v2, _images),
     "in_place_after_gemms": (InPlace, _images),
+    "functional_gemms": (Functional, _images),
     "encoder_batch_first_padded": (PaddedEncoder, _sequences),
     "encoder_sequence_first_causal": (CausalEncoder, _sequences),
     "transformer": (Seq2Seq, _sequences),
@@ -292,7 +317,7 @@ def test_unscaled_gradients_equal_plain_backprop_in_float64(case, rule, bounds):
     assert sum(b > 1 for n, b in betas.items() if kinds[n] == "layer") >= 2, betas
     products = [b for n, b in betas.items() if kinds[n] == "product"]
     # every attention call is a product point; Swin's products sit inside its wrapped function (none)
-    assert bool(products) == (not case.startswith(("swin", "in_place"))), betas
+    assert bool(products) == (not case.startswith(("swin", "in_place", "functional"))), betas
     if bounds == "spread":
         assert all(b > 1 for b in products), betas
 
@@ -368,6 +393,7 @@ COVERAGE = {
     "vit": (_vit, _images, 10),
     "swin": (_swin, _images, 11),
     "swin_v2": (_swin_v2, _images, None),
+    "functional_gemms": (Functional, _images, 6),  # 7 GEMM calls: two on halves of one weight
     "encoder": (Encoder, _sequences, 10),
     "encoder_sequence_first_causal": (CausalEncoder, _sequences, 10),
     "transformer": (Seq2Seq, _sequences, None),
