@@ -78,3 +78,22 @@ def no_host_sync() -> Iterator[NoHostSync]:
     finally:
         for name, method in saved.items():
             setattr(torch.Tensor, name, method)
+
+
+def trapped_steps(scaler, model, optimizer, precision, batches, loss_fn) -> list[tuple[bool, bool]]:
+    """Training steps whose backward passes run inside :func:`no_host_sync`; per step, whether the
+    adaptive scaler recomputed its scales and whether it ran on host copies (``(recompute, host)``).
+    ``loss_fn(model, batch)`` computes the loss under ``precision.autocast()``."""
+    kinds = []
+    for batch in batches:
+        with precision.autocast():
+            loss = loss_fn(model, batch)
+        scaled = scaler.scale(loss)
+        with no_host_sync() as mode:
+            scaled.backward()
+        assert mode.seen > 100, "the trap saw almost no ops: was the backward pass run inside it?"
+        kinds.append((scaler.state.recompute, scaler.state.host))
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+    return kinds

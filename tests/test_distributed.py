@@ -49,6 +49,8 @@ CASES = (
     ("mlp_adaptive_inf", "mlp", {"name": "adaptive", "update_every": 1, "rule": "reference"}, True),
     ("resnet20_dynamic", "resnet20", {"name": "dynamic"}, False),
     ("resnet20_adaptive", "resnet20", {"name": "adaptive", "update_every": 2, "rule": "paper"}, False),
+    # attention's own betas from activations, which differ between ranks, and a tied token embedding
+    ("gpt_adaptive", "gpt", {"name": "adaptive", "update_every": 2, "rule": "paper"}, False),
 )
 
 
@@ -56,6 +58,14 @@ def _model(kind: str) -> nn.Module:
     from adaloss.models import build_model
 
     torch.manual_seed(0)
+    if kind == "gpt":
+        from test_adaptive_attention import TinyGPT
+
+        class GPT(TinyGPT):  # logits as (batch, vocabulary, position): cross_entropy's layout
+            def forward(self, idx: torch.Tensor) -> torch.Tensor:
+                return super().forward(idx).transpose(1, 2)
+
+        return GPT()
     if kind == "mlp":  # a module called twice: one parameter, two scaling points
         cfg = {"name": "mlp", "hidden": [32, 32], "shared_hidden": True}
         return build_model(OmegaConf.create(cfg), 10, (3, 4, 4))
@@ -69,6 +79,11 @@ def _model(kind: str) -> nn.Module:
 
 def _data(kind: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
+    if kind == "gpt":  # 8 tokens of a 32-token vocabulary, next-token targets
+        return [
+            (torch.randint(0, 32, (BATCH, 8), generator=g), torch.randint(0, 32, (BATCH, 8), generator=g))
+            for _ in range(STEPS)
+        ]
     shape = (BATCH, 3, 4, 4) if kind == "mlp" else (BATCH, 3, 8, 8)
     return [
         (torch.randn(shape, generator=g), torch.randint(0, 10, (BATCH,), generator=g)) for _ in range(STEPS)

@@ -26,7 +26,7 @@ from adaloss.models import build_model
 from adaloss.models.ssd import build_detector
 from adaloss.precision import Precision
 from adaloss.scalers import build_scaler
-from sync_trap import HostSyncError, no_host_sync
+from sync_trap import HostSyncError, no_host_sync, trapped_steps
 
 SCALERS = {
     "none": {"name": "none"},
@@ -219,19 +219,12 @@ def test_no_host_sync_in_the_adaptive_backward_pass(backend, dtype_name):
     torch.manual_seed(0)
     model = precision.prepare(scaler.attach(_resnet20()))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    kinds = []
-    for _ in range(3):
-        x, y = torch.randn(2, 3, 8, 8), torch.randint(0, 10, (2,))
-        with precision.autocast():
-            loss = nn.functional.cross_entropy(model(x), y) * 2.0**-12  # small: FP16 betas above 1
-        scaled = scaler.scale(loss)
-        with no_host_sync() as mode:
-            scaled.backward()
-        assert mode.seen > 100
-        kinds.append((scaler.state.recompute, scaler.state.host))
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
+    batches = [(torch.randn(2, 3, 8, 8), torch.randint(0, 10, (2,))) for _ in range(3)]
+
+    def loss_fn(model, batch):
+        return nn.functional.cross_entropy(model(batch[0]), batch[1]) * 2.0**-12  # small: FP16 betas above 1
+
+    kinds = trapped_steps(scaler, model, opt, precision, batches, loss_fn)
     assert kinds == [(True, False), (False, True), (True, False)]  # recompute, reuse, recompute
     # FP16: betas other than 1 took part. (BF16 has FP32's range: its betas are 1 unless the gradients are
     # so small that their FP32 second moments underflow, and then the rule reads them as zero: scale 1.)

@@ -15,9 +15,13 @@ between points and pass alpha through unchanged (section 3.2.2), so they need no
   FP16 training; scaling the weight instead would overflow wherever ``beta * W`` does) and emits
   ``alpha_j * beta``; computes the weight gradient from ``delta_j`` and divides it by ``alpha_j`` in FP32 so
   the master weights receive true gradients.
+* :class:`ScaledProduct` (an activation-by-activation product, an attention call): the same
+  ``Backprop(beta * delta_j)`` with the beta of :func:`product_beta` (Algorithm 4 with the other operand in
+  the weight's place); no weight gradient to unscale.
 * :class:`Rescale` (branches, Algorithm 5): all gradients flowing into one tensor arrive together; they are
   brought to one common alpha (:func:`~adaloss.adaptive.rules.branch_loss_scale`) and summed, the rescaling
   fused into the sum.
+* :class:`ParamUnscale`: a non-GEMM use of a GEMM's parameter (a tied embedding), unscaled by its own alpha.
 
 Nothing here synchronizes host and device, and nothing copies host data to a device during a backward pass:
 the statistics, betas and alphas stay on the device as tensors, and each layer's constants of Algorithm 4
@@ -73,11 +77,18 @@ from adaloss.numerics.formats import round_to_format
 
 __all__ = [
     "AdaptiveState",
+    "AttentionOperands",
     "GemmPoint",
     "BranchPoint",
+    "GradProbe",
+    "ParamUnscale",
+    "ScaledProduct",
     "ScaledGEMM",
     "GradRound",
+    "MatmulOperands",
     "Rescale",
+    "UnscalePoint",
+    "product_beta",
 ]
 
 
@@ -88,7 +99,9 @@ def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
 
 @dataclass
 class GemmPoint:
-    """A scaling point at one call of a conv/linear layer (a module called twice has two points)."""
+    """A scaling point at one call of a conv/linear layer (a module called twice has two points), or at an
+    activation-by-activation product (``kind="product"``: a matmul of two activations, or an attention
+    call; see :class:`ScaledProduct`)."""
 
     index: int
     name: str  # module path, with "#k" for the k-th extra call of the same module
@@ -99,6 +112,7 @@ class GemmPoint:
     # (branch index, consumer index) when this call's input is directly one alias of a branch point, so
     # its input gradient goes straight (and only) to that branch's backward: it may add into it in place
     feeds: tuple[int, int] | None = None
+    kind: str = "layer"  # "layer": a GEMM with a weight; "product": both operands are activations
 
 
 @dataclass
@@ -109,6 +123,18 @@ class BranchPoint:
     name: str
     in_slots: list[int] = field(default_factory=list)  # one per consumer
     out_slot: int = -1
+
+
+@dataclass
+class UnscalePoint:
+    """A non-GEMM use of a parameter that GEMM points also use (a token embedding whose weight is the output
+    projection's): the gradient this use contributes is divided by its own alpha in the backward pass
+    (:class:`ParamUnscale`), as each GEMM call's contribution is, so the parameter's ``.grad`` sums true
+    gradients."""
+
+    index: int
+    name: str  # the parameter's name, with "#k" for its k-th such use
+    in_slot: int = -1  # slot holding the alpha of the gradient this use contributes
 
 
 def unplanned_point(name: str) -> RuntimeError:
@@ -197,6 +223,14 @@ class AdaptiveState:
         self.u_max = rule.u_max
         self.gemms: list[GemmPoint] = []
         self.branches: list[BranchPoint] = []
+        self.unscales: list[UnscalePoint] = []
+        # Set by the transform for the scaler: the parameters whose gradients the backward pass unscales
+        # (every parameter of a GEMM point, and the other uses of those), the parameters under GEMM
+        # weights (their device and dtype key Algorithm 4's constants), and the modules of the GEMM points
+        # (``fusable()``: whether each has a fused C++ form; all must, for the fused nodes to be used).
+        self.unscaled_params: list[torch.Tensor] = []
+        self.gemm_weight_params: list[torch.Tensor] = []
+        self.point_modules: list[Any] = []
         self.num_slots = 1
         self.alpha: list[torch.Tensor | float | None] = [None]
         self.beta: list[torch.Tensor | None] = []
@@ -247,14 +281,21 @@ class AdaptiveState:
         self.alpha.append(None)
         return self.num_slots - 1
 
-    def add_gemm(self, name: str, fan_in: int = 1, n_weights: int = 1) -> GemmPoint:
-        point = GemmPoint(len(self.gemms), name, fan_in, self.rule.layer_constants(n_weights, fan_in))
+    def add_gemm(self, name: str, fan_in: int = 1, n_weights: int = 1, kind: str = "layer") -> GemmPoint:
+        point = GemmPoint(
+            len(self.gemms), name, fan_in, self.rule.layer_constants(n_weights, fan_in), kind=kind
+        )
         self.n_g.append(1)
         self._table, self._tables = {}, {}
         point.out_slot = self.new_slot()
         self.gemms.append(point)
         self.beta.append(None)
         self.fwd_weight.append(None)
+        return point
+
+    def add_unscale(self, name: str) -> UnscalePoint:
+        point = UnscalePoint(len(self.unscales), name)
+        self.unscales.append(point)
         return point
 
     def add_branch(self, name: str) -> BranchPoint:
@@ -886,6 +927,259 @@ class GradRound(torch.autograd.Function):
         if emu is None or emu.grad_fmt is None or not torch.is_grad_enabled():
             return y
         return GradRound.apply(y, state, emu.grad_fmt, emu.probe_for(point.name))
+
+
+def _alias(y: torch.Tensor) -> torch.Tensor:
+    """A view of ``y`` for an identity node's output, stored in the format exactly when ``y`` is."""
+    with torch._C.DisableTorchFunction():
+        out = y.view_as(y)
+        if is_low_precision(y):
+            mark_low_precision(out)
+    return out
+
+
+class ParamUnscale(torch.autograd.Function):
+    """Identity on a parameter for one of its non-GEMM uses (:class:`UnscalePoint`); the backward pass
+    divides the gradient of that use by the alpha it carries, in the parameter's own dtype, so it joins the
+    GEMM calls' contributions (unscaled by :class:`ScaledGEMM`) in ``.grad`` as a true gradient. Cost: one
+    pass over that gradient (an embedding's weight gradient); no host sync (a device alpha is divided by
+    as a tensor)."""
+
+    @staticmethod
+    def forward(ctx, p, point: UnscalePoint, state: AdaptiveState):  # type: ignore[override]
+        ctx.point, ctx.state = point, state
+        with torch._C.DisableTorchFunction():
+            return p.view_as(p)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        alpha = ctx.state.read_alpha(ctx.point.in_slot, ctx.point.name)
+        with torch._C.DisableTorchFunction():
+            if isinstance(alpha, float):
+                grad = grad if alpha == 1.0 else grad / alpha
+            else:
+                grad = grad / alpha.to(grad.dtype)
+        return grad, None, None
+
+
+class GradProbe(torch.autograd.Function):
+    """Identity; on the way back, counts the underflow of the gradient passing through (telemetry of an
+    activation-by-activation product's output gradient, which the emulation rounds just after this node
+    in the backward pass) and passes it on unchanged. ``operands`` (an :class:`AttentionOperands`, or
+    None) counts the attention scores' gradient as well. Telemetry steps only."""
+
+    @staticmethod
+    def forward(ctx, y, probe, fmt, operands=None):  # type: ignore[override]
+        ctx.probe, ctx.fmt, ctx.operands = probe, fmt, operands
+        return _alias(y)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        with torch._C.DisableTorchFunction(), torch.no_grad():
+            rounded = round_to_format(grad, ctx.fmt) if ctx.fmt is not None else None
+            if ctx.probe is not None:
+                ctx.probe.record(grad, rounded)
+            if ctx.operands is not None:
+                ctx.operands.record(rounded if rounded is not None else grad, 1.0)
+        return grad, None, None, None
+
+
+# --------------------------------------------------------------------------------------------------------
+# Activation-by-activation products
+
+
+def product_beta(
+    pairs: list[tuple[torch.Tensor, float, int, torch.Tensor]],
+    rule: ScaleRule,
+    alpha_in: torch.Tensor | float,
+    reduce_fn: Any = None,
+) -> torch.Tensor:
+    """The beta of an activation-by-activation product: Algorithm 4 for each input gradient the product
+    makes, with the other operand in the weight's place, combined into one scale for all of them.
+
+    ``pairs``: per input gradient ``(operand, multiplier, F, delta)``: the operand it is multiplied by
+    (times the Python float ``multiplier``, e.g. attention's ``1/sqrt(d)``), its backward fan-in, and the
+    gradient it is computed from. Each gives Algorithm 4's underflow bound ``lower_i`` and overflow bound
+    ``upper_i`` (module docstring of :mod:`adaloss.adaptive.rules`; the layer constants come from the
+    operand's size, which varies with the batch, so they are Python floats here rather than a prepared
+    table). The product's beta is the rule's beta for ``lower = max_i lower_i`` and ``upper = min_i
+    upper_i``: as large as the most demanding input asks, as long as no input passes its own overflow
+    bound (the branch point all of them would otherwise need, Algorithm 5, decided with the bounds instead
+    of the gradients, which exist only after the product's backward). Bounded, rounded down to a power of
+    two and 1 for an all-zero or non-finite gradient, as every beta. Under ``torch.distributed``
+    (``reduce_fn``) every tensor's second moment and max are combined over the ranks first, as the
+    activations differ between ranks. Cost: two reductions per tensor and a few scalar ops; no host sync.
+    """
+    lowers, uppers = [], []
+    for w, multiplier, fan_in, delta in pairs:
+        a_const, b_const = rule.layer_constants(w.numel(), fan_in)
+        (w_norm, w_max), (d_norm, d_max) = (_norm_and_max(t, reduce_fn) for t in (w, delta))
+        lowers.append((a_const / multiplier) * math.sqrt(delta.numel()) / (w_norm * d_norm))
+        uppers.append((b_const / multiplier) / (w_max * d_max))
+    lower = torch.stack(lowers).amax()
+    upper = torch.stack(uppers).amin()
+    # the rule's 5-vectors (ScaleRule): q = [lower, upper, upper, scale cap, accumulation cap / alpha_in]
+    scale_cap, accum_cap = rule.caps
+    factors = torch.stack([lower, upper, upper, lower.new_full((), scale_cap), lower.new_full((), accum_cap)])
+    alpha = alpha_in.reshape(1).to(lower.dtype) if isinstance(alpha_in, torch.Tensor) else None
+    stats = torch.cat([lower.new_ones(4), alpha if alpha is not None else lower.new_full((1,), alpha_in)])
+    return rule.beta(factors, stats)
+
+
+def _norm_and_max(t: torch.Tensor, reduce_fn: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(||t||, max|t|)`` in the statistics dtype; over all ranks with ``reduce_fn``."""
+    red = None if t.dtype in (torch.float32, torch.float64) else torch.float32
+    norm = torch.linalg.vector_norm(t, dtype=red)
+    top = _max_magnitude(t).to(norm.dtype)
+    if reduce_fn is not None:
+        n = t.numel()
+        ms, top = reduce_fn(norm.square() / n, top)
+        norm, top = torch.sqrt(ms * n).reshape(()), top.reshape(())
+    return norm, top
+
+
+class MatmulOperands:
+    """What :func:`product_beta` needs of ``y = a @ b`` (``torch.matmul``, ``@``, ``bmm``, ``mm``, and the
+    ``input @ weight^T`` of an ``F.linear`` whose weight is an activation): ``da = delta b^T`` sums
+    ``b.shape[-1]`` products, ``db = a^T delta`` sums ``a.shape[-2]``. Only the inputs that need a gradient
+    count. The operands are the ones the product saved for its own backward: no extra memory."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        self.a, self.b = a.detach(), b.detach()
+        self.need = (a.requires_grad, b.requires_grad)
+
+    def pairs(self, delta: torch.Tensor) -> list[tuple[torch.Tensor, float, int, torch.Tensor]]:
+        a, b = self.a, self.b
+        out = []
+        if self.need[0]:
+            out.append((b, 1.0, b.shape[-1] if b.dim() > 1 else 1, delta))
+        if self.need[1]:
+            out.append((a, 1.0, a.shape[-2] if a.dim() > 1 else 1, delta))
+        return out
+
+    def record(self, delta: torch.Tensor, beta: torch.Tensor | float) -> None:
+        """Nothing beyond the output gradient (counted where it is rounded)."""
+
+
+class AttentionOperands:
+    """What :func:`product_beta` needs of scaled dot-product attention ``O = softmax(s Q K^T + M) V``
+    (``s = 1/sqrt(d)`` unless given): its four products, ``dP = dO V^T`` (F = d), ``dV = P^T dO``
+    (F = queries), ``dQ = s dS K`` (F = keys), ``dK = s dS^T Q`` (F = queries), with
+    ``dS = P (dP - rowsum(dP P))``. ``P`` and ``dS`` exist only inside the attention kernel, so they are
+    recomputed from the saved query, key and value (recompute passes, and telemetry steps: an attention
+    forward and half a backward; attention dropout is not replayed, so its statistics are those without
+    dropout). On a telemetry step :meth:`record` counts what storing ``dS`` at the scale the kernel sees it
+    (the gradient times beta) would lose: GPU attention kernels store it in half precision before its
+    two products; the emulation keeps it in FP32 inside the kernel, as the CPU's does."""
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+        is_causal: bool,
+        scale: float | None,
+        scores_probe: Any = None,
+        grad_fmt: Any = None,
+    ) -> None:
+        self.q, self.k, self.v = q.detach(), k.detach(), v.detach()
+        self.mask = None if mask is None else mask.detach()
+        self.is_causal = is_causal
+        self.scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        self.scores_probe, self.grad_fmt = scores_probe, grad_fmt
+        self._scores: torch.Tensor | None = None
+
+    def _recompute(
+        self, delta: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(k, v, P, dS)`` in float32 (float64 for float64 inputs), heads of k/v repeated to q's."""
+        dtype = torch.promote_types(self.q.dtype, torch.float32)
+        q, k, v, d_out = (t.to(dtype) for t in (self.q, self.k, self.v, delta))
+        if k.dim() > 2 and k.shape[-3] != q.shape[-3]:  # grouped-query attention
+            k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+            v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+        s = q.matmul(k.transpose(-2, -1)) * self.scale
+        if self.is_causal:
+            keep = torch.ones(s.shape[-2], s.shape[-1], dtype=torch.bool, device=s.device).tril()
+            s = s.masked_fill(~keep, -math.inf)
+        if self.mask is not None:
+            s = s.masked_fill(~self.mask, -math.inf) if self.mask.dtype == torch.bool else s + self.mask
+        p = torch.softmax(s, dim=-1)
+        d_p = d_out.matmul(v.transpose(-2, -1))
+        d_s = p * (d_p - (d_p * p).sum(-1, keepdim=True))
+        return k, v, p, d_s
+
+    def pairs(self, delta: torch.Tensor) -> list[tuple[torch.Tensor, float, int, torch.Tensor]]:
+        k, v, p, d_s = self._recompute(delta)
+        self._scores = d_s
+        q = self.q
+        n_q, n_k = q.shape[-2], k.shape[-2]
+        return [
+            (v, 1.0, q.shape[-1], delta),  # dP = dO V^T
+            (p, 1.0, n_q, delta),  # dV = P^T dO
+            (k, self.scale, n_k, d_s),  # dQ = s dS K
+            (q, self.scale, n_q, d_s),  # dK = s dS^T Q
+        ]
+
+    def record(self, delta: torch.Tensor, beta: torch.Tensor | float) -> None:
+        if self.scores_probe is None:
+            return
+        d_s = self._scores if self._scores is not None else self._recompute(delta)[3]
+        self._scores = None
+        self.scores_probe.record(d_s * beta)
+
+
+class ScaledProduct(torch.autograd.Function):
+    """Algorithm 3 at an activation-by-activation product: ``Backprop(beta * delta)``, beta from
+    :func:`product_beta`.
+
+    The transform wires a product like a GEMM point (a :class:`GemmPoint` of kind "product"): the gradient
+    of its output arrives with ``alpha_j``, and every input gradient it makes leaves with ``alpha_j *
+    beta``. It sits on the product's output: its forward is the identity (and, in emulation, the output's
+    rounding to the format); its backward receives ``delta`` already stored in the gradient format (by the
+    :class:`GradRound` on its output) and hands ``beta * delta`` to the product's own backward, whose input
+    gradients, linear in ``delta``, then carry ``beta`` (exact: a power of two). Multiplying before the
+    product's backward rather than after keeps the scaled values inside an attention kernel too (``dS``).
+    ``operands``: :class:`MatmulOperands` or :class:`AttentionOperands`. Betas are computed on recompute
+    passes and reused in between, as a layer's; no host sync (host floats on the CPU's host path).
+    Per backward call: one multiply of the output gradient by beta (skipped when a host beta is 1); on a
+    recompute pass the statistics of the operands and gradients (an attention call also recomputes its
+    scores, see :class:`AttentionOperands`).
+    """
+
+    @staticmethod
+    def forward(ctx, y, point: GemmPoint, state: AdaptiveState, operands: Any, round_fmt: Any):  # type: ignore[override]
+        ctx.point, ctx.state, ctx.operands = point, state, operands
+        with torch._C.DisableTorchFunction():
+            if round_fmt is None:
+                return _alias(y)
+            return mark_low_precision(round_to_format(y, round_fmt))
+
+    @staticmethod
+    def backward(ctx, delta):  # type: ignore[override]
+        with torch._C.DisableTorchFunction():
+            point, state, operands = ctx.point, ctx.state, ctx.operands
+            k = point.index
+            if state.grad_stats:  # GradRound's statistics of this gradient: not needed here
+                state.grad_stats.pop(id(delta), None)
+            alpha = state.read_alpha(point.in_slot, point.name)
+            if state.recompute or (not state.host and state.beta[k] is None):
+                beta = product_beta(operands.pairs(delta), state.rule, alpha, state.reduce_fn)
+                state.beta[k] = beta
+                if state.host:
+                    beta = float(beta)  # a CPU tensor: the host path runs on host floats
+                    state.beta_host[k] = beta
+            elif state.host:
+                beta = state.beta_host[k]
+            else:
+                beta = state.beta[k]
+            ctx.operands = None
+            state.alpha[point.out_slot] = alpha * beta
+            operands.record(delta, beta)
+            if isinstance(beta, float):
+                return (delta if beta == 1.0 else delta * beta), None, None, None, None
+            return delta * beta.to(delta.dtype), None, None, None, None
 
 
 def _is_pow2(value: float) -> bool:

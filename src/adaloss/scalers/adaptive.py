@@ -28,8 +28,10 @@ class AdaptiveLossScaler(LossScaler):
     """Layer-wise loss scaling computed from each layer's statistics during the backward pass.
 
     * ``attach(model)`` rewrites the model (torch.fx) so its backward pass carries the pair
-      ``<alpha, delta>``: at every conv/linear layer a local scale ``beta`` is computed from the layer's
-      weight and incoming gradient (Algorithm 4), the incoming gradient is scaled by it before the input
+      ``<alpha, delta>``: at every conv/linear layer (every GEMM with a weight, attention's included; with
+      ``product_betas``, every activation-by-activation product too) a local scale ``beta`` is computed
+      from the layer's weight and incoming gradient (Algorithm 4), the incoming gradient is scaled by it
+      before the input
       gradient is computed (Algorithm 3), which then carries ``alpha * beta``, and gradients meeting at a
       branch are rescaled to one common alpha before they are summed (Algorithm 5). Element-wise ops pass
       alpha through. ``rule`` chooses how beta is computed: ``"reference"`` (default), what the authors'
@@ -66,8 +68,9 @@ class AdaptiveLossScaler(LossScaler):
     the steps in between go without them; the attached model notes at each forward pass which parameters
     and inputs require gradients, and a change there (unfreezing a stage) makes that step a recompute step.
 
-    Where gradients are unscaled: conv/linear weight and bias gradients during the backward pass, per call of
-    the layer (so a layer used twice gets each contribution unscaled by its own alpha); gradients of other
+    Where gradients are unscaled: GEMM weight and bias gradients during the backward pass, per call of the
+    layer (so a layer used twice gets each contribution unscaled by its own alpha; so does another use of a
+    GEMM's weight, such as a tied token embedding); gradients of other
     parameters (batch-norm affine weights, ...) in ``unscale_``, by the alpha of their op's output gradient.
     Parameters outside the attached model are assumed to get their gradient through the loss and are
     unscaled by ``alpha_{N+1}``.
@@ -134,6 +137,11 @@ class AdaptiveLossScaler(LossScaler):
             this must stay False there.
         growth_interval (int, optional, default=2000): clean steps before a lowered ``alpha_{N+1}`` doubles.
         enabled (bool, optional, default=True): ``False`` makes every method a passthrough.
+        product_betas (bool, optional, default=True): give activation-by-activation products (``matmul``,
+            ``bmm``, ``@``) and attention calls (``F.scaled_dot_product_attention``,
+            ``nn.MultiheadAttention``) a beta of their own, Algorithm 4 with the other operand in the
+            weight's place (:func:`adaloss.adaptive.ops.product_beta`); ``False``: alpha passes through them
+            unchanged.
         device_path (bool, optional, default=False): take the code path a GPU takes on the CPU too: on
             recompute steps the statistics, betas and alphas are tensors (no host floats, no fused C++
             nodes); the steps in between run on host copies of the betas, as on a GPU. For tests and
@@ -159,6 +167,7 @@ class AdaptiveLossScaler(LossScaler):
         scale_upper_bound: float | str | None = "auto",
         accum_upper_bound: float | str | None = "auto",
         device_path: bool = False,
+        product_betas: bool = True,
     ) -> None:
         t_uf = _number(t_uf, "scaler.t_uf")
         if not 0.0 < t_uf < 1.0:
@@ -192,6 +201,9 @@ class AdaptiveLossScaler(LossScaler):
         if not isinstance(device_path, bool):
             raise ConfigError(f"scaler.device_path must be true or false, got {device_path!r}")
         self.device_path = device_path
+        if not isinstance(product_betas, bool):
+            raise ConfigError(f"scaler.product_betas must be true or false, got {product_betas!r}")
+        self.product_betas = product_betas
         self.t_uf = t_uf
         self.update_every = update_every
         self.allow_below_one = allow_below_one
@@ -237,6 +249,7 @@ class AdaptiveLossScaler(LossScaler):
             "scale_upper_bound",
             "accum_upper_bound",
             "device_path",
+            "product_betas",
         }
         unknown = sorted(set(cfg.keys()) - known)
         if unknown:
@@ -257,6 +270,7 @@ class AdaptiveLossScaler(LossScaler):
             scale_upper_bound=cfg.get("scale_upper_bound", "auto"),
             accum_upper_bound=cfg.get("accum_upper_bound", "auto"),
             device_path=cfg.get("device_path", False),
+            product_betas=cfg.get("product_betas", True),
         )
 
     # ------------------------------------------------------------------ model
@@ -276,16 +290,13 @@ class AdaptiveLossScaler(LossScaler):
             # A group of its own: these collectives are issued from inside the backward pass, interleaved
             # with DDP's bucket all-reduces; on a separate communicator their relative order cannot matter.
             state.reduce_fn = _StatisticsReducer(torch.distributed.new_group())
-        gm = attach_adaptive(model, state)
+        gm = attach_adaptive(model, state, self.product_betas)
         self.state = state
-        self._gemm_param_ids = {
-            id(p) for m in gm.modules() if type(m).__name__ == "AdaptiveGEMM" for p in m.parameters()
-        }
+        # GEMM parameters' gradients are unscaled in the backward pass, use by use (the transform lists them)
+        self._gemm_param_ids = {id(p) for p in state.unscaled_params}
         self._param_names = {id(p): n for n, p in gm.named_parameters()}
-        self._gemm_weights = [
-            m.weight for m in gm.modules() if type(m).__name__ == "AdaptiveGEMM" and hasattr(m, "weight")
-        ]
-        self._gemm_modules = [m for m in gm.modules() if type(m).__name__ == "AdaptiveGEMM"]
+        self._gemm_weights = list(state.gemm_weight_params)
+        self._gemm_modules = list(state.point_modules)
         # Which tensors need gradients, per forward pass: lets reuse steps skip points no gradient reaches
         # (frozen layers) instead of recomputing every step (see AdaptiveState.start_backward).
         gm.register_forward_pre_hook(GradSignature(state, list(gm.parameters())), with_kwargs=True)
