@@ -38,8 +38,8 @@ _capture = False  # set by cli(): Hydra's composition errors are raised to it ra
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> float:
-    """Train one configuration; returns its test metric (accuracy or mAP, %; NaN for a run recorded as
-    diverged), for Hydra sweepers that optimize it."""
+    """Train one configuration; returns its test metric (accuracy or mAP, %; a language model's validation
+    loss; NaN for a run recorded as diverged), for Hydra sweepers that optimize it."""
     # Composition succeeded (a sweep composes all its jobs before it runs the first): from here on Hydra
     # reports the job's own failures in its usual way.
     _hydra_reports_errors(True)
@@ -55,7 +55,7 @@ def main(cfg: DictConfig) -> float:
     except TrainingDiverged as error:  # not bad input: the run started; its checkpoints stay
         print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(1)
-    metric = "map" if "map" in metrics else "test_accuracy"
+    metric = next(key for key in ("map", "val_loss", "test_accuracy") if key in metrics)
     return float(metrics[metric]) if metrics[metric] is not None else float("nan")
 
 
