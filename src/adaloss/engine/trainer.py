@@ -399,6 +399,7 @@ def _train(
         "wall_time_s": time.perf_counter() - started,
         "images_per_s": done * int(cfg.trainer.batch_size) / max(progress.train_time, 1e-9),
         "world_size": ranks.world,
+        **({"data": info.source} if getattr(info, "source", None) else {}),  # a text corpus: what it was
         "config": config,
     }
     if os.environ.get(DEBUG_RANK_FILES_ENV) == "1":  # test hook, see DEBUG_RANK_FILES_ENV

@@ -140,16 +140,16 @@ def build_target(
             kwargs[key] = value
     if signature is not None:
         _check_binding(group, path, obj, args, kwargs)
+    if args and special.get("_partial_") is not True:
+        raise ConfigError(
+            f"{group}._target_={path} must be a _partial_ config (it is called with its "
+            f"{'parameters' if group == 'optimizer' else 'optimizer'} later): set {group}._partial_=true"
+        )
     special.setdefault("_convert_", "all")  # plain lists and dicts: picklable, and what torch expects
     try:
         made = instantiate({**special, **kwargs})
         if isinstance(made, functools.partial):
             made = made(*args)
-        elif args:
-            raise ConfigError(
-                f"{group}._target_={path} must be a _partial_ config (it is called with its parameters "
-                f"later): set {group}._partial_=true"
-            )
     except InstantiationException as error:
         raise _call_error(group, path, error.__cause__ or error) from None
     except ConfigError:
