@@ -1,13 +1,15 @@
 """The tiny GPT on the standard library corpus under FP32 and FP16 loss scalers, over seeds (README table).
 
-    .venv/bin/python scripts/lm_runs.py [--seeds 0,1,2] [--variants fp32,dynamic,adaptive] [overrides ...]
+    .venv/bin/python scripts/lm_runs.py [--seeds 0,1,2] [--variants fp32,none,dynamic,adaptive] [overrides]
 
 Each run composes the config ``python train.py model=gpt dataset=pystdlib <variant> <overrides>`` uses and
 calls ``adaloss.engine.train`` in this process (folders under ``--out``, default ``results/lm/``). Before it,
 the validation loss of the run's initial model is measured: the trainer seeds, builds the data and builds
 the model in that order, so doing the same here gives the weights the run starts from. Prints a Markdown
 table (mean and sample standard deviation over the seeds of the validation loss at the start and at the
-end, the best, skipped steps, wall time) and writes every run's numbers to ``<out>/lm_runs.json``.
+end, the best, the mean activation-gradient underflow rate over the layers at the last telemetry step, for
+the FP32 run what FP16 would lose; skipped steps, wall time) and writes every run's numbers to
+``<out>/lm_runs.json``, the table to ``<out>/table.md``.
 """
 
 from __future__ import annotations
@@ -73,17 +75,18 @@ def _cell(values: list[float], digits: int = 3) -> str:
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| run | seeds | val loss at start | val loss at end | best val loss | perplexity at end | skipped "
-        "steps "
-        "| wall time (s) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| run | seeds | val loss at start | val loss at end | best val loss | perplexity at end "
+        "| mean underflow at end (%) | skipped steps | wall time (s) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for variant in dict.fromkeys(r["variant"] for r in rows):
         mine = [r for r in rows if r["variant"] == variant]
         lines.append(
             f"| {variant} | {','.join(str(r['seed']) for r in mine)} | {_cell([r['start'] for r in mine])} "
             f"| {_cell([r['val_loss'] for r in mine])} | {_cell([r['best_val_loss'] for r in mine])} "
-            f"| {_cell([r['perplexity'] for r in mine], 2)} | {sum(r['skipped_steps'] for r in mine)} "
+            f"| {_cell([r['perplexity'] for r in mine], 2)} "
+            f"| {_cell([100 * r['mean_underflow_rate'] for r in mine], 2)} "
+            f"| {sum(r['skipped_steps'] for r in mine)} "
             f"| {_cell([r['wall_time_s'] for r in mine], 0)} |"
         )
     return "\n".join(lines)
@@ -92,7 +95,7 @@ def table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--variants", default="fp32,dynamic,adaptive", help=f"of {', '.join(VARIANTS)}")
+    parser.add_argument("--variants", default="fp32,none,dynamic,adaptive", help=f"of {', '.join(VARIANTS)}")
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "lm")
     parser.add_argument(
         "overrides", nargs="*", help="more overrides for every run, e.g. model.tie_weights=false"
@@ -116,6 +119,7 @@ def main(argv: list[str] | None = None) -> None:
                     k: metrics[k]
                     for k in ("val_loss", "best_val_loss", "perplexity", "skipped_steps", "steps")
                 },
+                "mean_underflow_rate": metrics["mean_underflow_rate"],  # the last telemetry step's
                 "wall_time_s": time.perf_counter() - began,
             }
             rows.append(row)
@@ -123,7 +127,9 @@ def main(argv: list[str] | None = None) -> None:
     summary = {"machine": machine, "overrides": args.overrides, "runs": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "lm_runs.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-    print(f"\n{header_line(machine)}\n\n{table(rows)}")
+    text = f"{header_line(machine)}\n\n{table(rows)}\n"
+    (args.out / "table.md").write_text(text, encoding="utf-8")
+    print(f"\n{text}")
 
 
 if __name__ == "__main__":

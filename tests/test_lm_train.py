@@ -21,7 +21,6 @@ from adaloss.errors import ConfigError
 from adaloss.models import GPT
 from adaloss.precision import Precision
 
-UNIFORM = math.log(256)  # the loss of a model that has learnt nothing about bytes (5.545)
 
 #: A GPT small enough to train for a test in seconds, on short windows of the real corpus.
 SMALL_GPT = (
@@ -34,10 +33,14 @@ SMALL_GPT = (
     "dataset.val_windows=64",
     "trainer.batch_size=16",
     "trainer.eval_batch_size=64",
-    "trainer.max_steps=80",
-    "trainer.eval_every=40",
-    "telemetry.every=40",
+    "trainer.max_steps=160",
+    "trainer.eval_every=80",
+    "telemetry.every=80",
+    "optimizer.lr=4e-3",
 )
+#: Cross-entropy on the validation split of a model of byte frequencies counted on the training split (a
+#: bigram model of byte pairs gets 2.40); an untrained GPT starts at ln(256) = 5.55.
+UNIGRAM = 3.11
 
 
 def test_lm_task_metrics_are_token_mean_cross_entropy_and_perplexity() -> None:
@@ -96,11 +99,13 @@ def _check_run(metrics: dict, run_dir: Path) -> None:
 def test_a_short_gpt_run_learns_the_corpus(
     make_full_cfg: Callable[..., DictConfig], tmp_path: Path, variant: tuple[str, ...]
 ) -> None:
-    """80 steps of a one-block GPT take the validation loss from ln(256) (5.55, no knowledge) to below 3.5
-    nats per byte (a model that learnt only byte frequencies gets about 3.3 on Python source)."""
+    """160 steps of a one-block GPT take the validation loss from ln(256) = 5.55 to below what byte
+    frequencies alone give (3.11 nats per byte): it uses the context."""
     metrics = train(make_full_cfg(*SMALL_GPT, *variant))
     _check_run(metrics, tmp_path)
-    assert metrics["val_loss"] < 3.5, metrics["val_loss"]
+    # measured 2.74 (FP32) and 2.59 (adaptive, untied head); below 2 nats per byte this early would mean the
+    # targets leak into the inputs (y = x reaches 1.5 in half the steps)
+    assert 2.0 < metrics["val_loss"] < UNIGRAM - 0.15, metrics["val_loss"]
 
 
 @pytest.mark.slow
