@@ -21,7 +21,6 @@ from adaloss.errors import ConfigError
 from adaloss.models import GPT
 from adaloss.precision import Precision
 
-
 #: A GPT small enough to train for a test in seconds, on short windows of the real corpus.
 SMALL_GPT = (
     "model=gpt",
