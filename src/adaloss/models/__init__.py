@@ -99,9 +99,10 @@ LANGUAGE_MODEL_NAMES: tuple[str, ...] = ("gpt", "gpt2_small")
 ALL_MODEL_NAMES: tuple[str, ...] = (*MODEL_NAMES, "vit", *DETECTION_MODEL_NAMES, *LANGUAGE_MODEL_NAMES)
 assert set(ALL_MODEL_NAMES) == set(BUNDLED_MODELS)
 
-#: Not arguments of the target: ``name`` (what the run is called), ``init`` (the detection task's
-#: data-dependent initialization, ``model.init=lsuv``).
-MODEL_METADATA = ("name", "init")
+#: Not arguments of the target: ``name`` (what the run is called) and, for the bundled detectors, ``init``
+#: (the detection task's data-dependent initialization, ``model.init=lsuv``).
+MODEL_METADATA = ("name",)
+DETECTOR_METADATA = ("name", "init")
 _EXAMPLE = "model._target_=my_pkg.MyNet model.name=mynet"
 
 
@@ -179,9 +180,8 @@ def build_model(
         fill.update({k: v for k, v in from_shape.items() if k not in fill})
     else:
         fill.update(_required_only(cfg, defaults, from_shape))
-    model = build_target(
-        "model", cfg, example=_EXAMPLE, fill=fill, metadata=MODEL_METADATA, defaults=defaults
-    )
+    metadata = DETECTOR_METADATA if bundled is not None and bundled.task == "detection" else MODEL_METADATA
+    model = build_target("model", cfg, example=_EXAMPLE, fill=fill, metadata=metadata, defaults=defaults)
     if not isinstance(model, nn.Module):
         target = config_items(cfg).get("_target_", defaults.get("_target_"))
         raise ConfigError(
