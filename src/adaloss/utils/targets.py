@@ -131,7 +131,8 @@ def build_target(
         unused = [k for k in kwargs if k not in params]
         if unused:
             log.warning(
-                "%s._target_=%s takes no %s: left out (keys of the config it replaced?)",
+                "%s._target_=%s takes no %s: left out (set by another config: the dataset's recipe, or the "
+                "one whose _target_ this replaced)",
                 group, path, ", ".join(unused),
             )  # fmt: skip
             kwargs = {k: v for k, v in kwargs.items() if k in params}
