@@ -46,8 +46,8 @@ _started = False  # set by main(): Hydra has made the run folder and configured 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> float:
-    """Train one configuration; returns its test metric (accuracy or mAP, %; NaN for a run recorded as
-    diverged), for Hydra sweepers that optimize it."""
+    """Train one configuration; returns its test metric (accuracy or mAP, %; a language model's validation
+    loss; NaN for a run recorded as diverged), for Hydra sweepers that optimize it."""
     # Composition succeeded (a sweep composes all its jobs before it runs the first): from here on Hydra
     # reports the job's own failures in its usual way.
     global _started
@@ -72,7 +72,7 @@ def main(cfg: DictConfig) -> float:
     except KeyboardInterrupt:  # a second Ctrl-C: stopped at once (train() has released the folder)
         print(_interrupted(), file=sys.stderr, flush=True)
         sys.exit(128 + signal.SIGINT)
-    metric = "map" if "map" in metrics else "test_accuracy"
+    metric = next(key for key in ("map", "val_loss", "test_accuracy") if key in metrics)
     return float(metrics[metric]) if metrics[metric] is not None else float("nan")
 
 

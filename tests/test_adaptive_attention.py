@@ -563,6 +563,7 @@ def test_no_host_sync_in_the_gpt_backward_pass(backend, dtype_name):
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(1)
     batches = [_tokens(g, torch.float32) for _ in range(3)]
+
     def loss_fn(model, batch):
         return _loss(model(batch[0]).float(), batch[1]) * 2.0**-12  # small gradients: FP16 betas above 1
 

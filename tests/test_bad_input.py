@@ -115,6 +115,12 @@ CLI_CASES: list = [
         True,
         id="missing-data-dir+cleanup",
     ),
+    pytest.param(
+        ["model._target_=no_such_pkg.Net", "model.name=net"],
+        ["model._target_=no_such_pkg.Net cannot be imported", "No module named 'no_such_pkg'"],
+        True,
+        id="unimportable-model-target+cleanup",
+    ),
 ]
 
 _NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: device=cuda is valid")
@@ -277,6 +283,26 @@ VALUE_CASES: list = [
         ["dataset=voc is a detection dataset but model=mlp"],
         id="classifier-on-voc",
     ),
+    pytest.param(
+        ["model=gpt", "dataset=digits"],
+        ["model=gpt is a language model but dataset=digits", "dataset=pystdlib"],
+        id="language-model-on-images",
+    ),
+    pytest.param(
+        ["model=vit", "dataset=pystdlib"],
+        ["model=vit is an image classifier but dataset=pystdlib is a text dataset", "model=gpt"],
+        id="classifier-on-text",
+    ),
+    pytest.param(
+        ["model._target_=torch.nn.Identity"],
+        ["model._target_=torch.nn.Identity replaces the network of model=resnet20", "model.name="],
+        id="replaced-target-keeps-name",
+    ),
+    pytest.param(
+        ["optimizer._target_=torch.optim.Adamm"],
+        ["optimizer._target_=torch.optim.Adamm cannot be imported"],
+        id="unimportable-optimizer",
+    ),
     # data on disk
     pytest.param(
         ["dataset=cifar10", "paths.data_dir={tmp}/empty"],
@@ -345,6 +371,11 @@ VALUE_CASES: list = [
     ),
     pytest.param(
         ["resume={tmp}/empty"], ["resume=", "empty is a directory, not a checkpoint file"], id="resume-dir"
+    ),
+    pytest.param(
+        ["dataset=tokens", "model=gpt", "paths.data_dir={tmp}/empty"],
+        ["token files not found", "empty/tokens has no train.bin", "scripts/prepare_tokens.py"],
+        id="tokens-missing",
     ),
 ]
 

@@ -22,6 +22,8 @@ ALL_OPTIONS = [(group, option) for group in GROUPS for option in _options(group)
 
 def test_every_group_has_the_expected_options() -> None:
     assert _options("model") == [
+        "gpt",
+        "gpt2_small",
         "mlp",
         "resnet110",
         "resnet18",
@@ -31,8 +33,21 @@ def test_every_group_has_the_expected_options() -> None:
         "ssd300",
         "ssd512",
         "vgg_nobn",
+        "vit",
     ]
-    assert _options("dataset") == ["cifar10", "cifar100", "digits", "imagenet", "shapes", "synthetic", "voc"]
+    assert _options("dataset") == [
+        "cifar10",
+        "cifar100",
+        "digits",
+        "imagenet",
+        "pystdlib",
+        "shapes",
+        "synthetic",
+        "tokens",
+        "voc",
+    ]
+    assert _options("optimizer") == ["adamw", "sgd"]
+    assert _options("schedule") == ["cosine", "multistep"]
     assert _options("scaler") == ["adaptive", "dynamic", "fixed", "none"]
     assert _options("precision") == ["bf16", "fp16", "fp32", "fp8_e5m2"]
     assert _options("logger") == ["none", "wandb"]
@@ -43,8 +58,18 @@ def test_every_group_has_the_expected_options() -> None:
 def test_every_option_composes_and_resolves(group: str, option: str) -> None:
     # a detector needs detection data and the reverse (validate_config rejects the mixed pairs)
     partners = {
-        "model": {"ssd300": "dataset=shapes", "ssd512": "dataset=voc"},
-        "dataset": {"shapes": "model=ssd512", "voc": "model=ssd300"},
+        "model": {
+            "ssd300": "dataset=shapes",
+            "ssd512": "dataset=voc",
+            "gpt": "dataset=pystdlib",
+            "gpt2_small": "dataset=tokens",
+        },
+        "dataset": {
+            "shapes": "model=ssd512",
+            "voc": "model=ssd300",
+            "pystdlib": "model=gpt",
+            "tokens": "model=gpt",
+        },
     }
     partner = partners.get(group, {}).get(option)
     overrides = [f"{group}={option}", *([partner] if partner else [])]
@@ -78,11 +103,14 @@ def test_cifar_recipe_is_he_et_al(dataset: str) -> None:
     cfg = compose_train([f"dataset={dataset}"])
     assert cfg.trainer.batch_size == 128 and cfg.trainer.steps == 64000 and cfg.trainer.epochs is None
     assert cfg.optimizer == {
+        "_target_": "torch.optim.SGD",
+        "_partial_": True,
         "name": "sgd",
         "lr": 0.1,
         "momentum": 0.9,
         "weight_decay": 1e-4,
         "nesterov": False,
+        "decay_1d": True,
     }
     assert cfg.dataset.augment is True and cfg.dataset.image_size == 32
     full, run = schedule_length(cfg.trainer, iters_per_epoch=390)

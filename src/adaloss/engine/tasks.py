@@ -9,26 +9,41 @@ the evaluation metric.
 * :class:`DetectionTask`: SSD's multibox loss, VOC2007 11-point mAP at IoU 0.5 (``map``, %, with
   ``ap_per_class``). The module trained (and rewritten by the adaptive scaler) is the detector's
   ``net``; default boxes, loss and post-processing stay on the :class:`~adaloss.models.ssd.SSDDetector`.
+* :class:`LanguageModelTask`: next-token cross-entropy over every position of ``[B, T]`` token windows;
+  validation loss (``val_loss``, nats per token, lower is better) and perplexity (``exp(val_loss)``).
+
+The dataset decides the task (its ``DatasetInfo.task``); :func:`check_model_and_dataset` refuses a bundled
+model of another kind before anything is built.
 """
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from adaloss.data import DatasetInfo, detection_collate
 from adaloss.engine.evaluate import evaluate
 from adaloss.errors import ConfigError
 from adaloss.metrics.voc_map import voc07_map
-from adaloss.models import DETECTION_MODEL_NAMES, build_model
+from adaloss.models import GPT, SSDDetector, build_model, bundled_model
 from adaloss.models.ssd import lsuv_init_
 from adaloss.precision import Precision
 
-__all__ = ["ClassificationTask", "DetectionTask", "Evaluation", "Task", "build_task"]
+__all__ = [
+    "ClassificationTask",
+    "DetectionTask",
+    "Evaluation",
+    "LanguageModelTask",
+    "Task",
+    "build_task",
+    "check_model_and_dataset",
+]
 
 
 class Evaluation(dict):
@@ -41,12 +56,35 @@ class Evaluation(dict):
 
 class Task(ABC):
     """Interface of a training task. Subclasses set ``metric`` (the ``metrics.json`` key of the test metric),
-    ``log_name`` (its W&B name under ``test/``) and ``collate_fn``, and implement the three abstract
-    methods."""
+    ``log_name`` (its W&B name under ``test/``), ``collate_fn`` and, for a metric where lower is better,
+    ``lower_is_better``, and implement the three abstract methods."""
 
     metric: str
     log_name: str
     collate_fn: Callable[[list[Any]], Any] | None = None
+    lower_is_better: bool = False
+
+    @property
+    def initial_best(self) -> float:
+        """The best value before any evaluation (worse than every real one)."""
+        return math.inf if self.lower_is_better else 0.0
+
+    def best(self, previous: float, value: float) -> float:
+        """The better of the best so far and a new evaluation's value."""
+        return min(previous, value) if self.lower_is_better else max(previous, value)
+
+    def summary(self, value: float, best: float) -> dict[str, float]:
+        """The ``metrics.json`` entries of the last and the best evaluation."""
+        return {self.metric: value, f"best_{self.metric}": best}
+
+    def log_entries(self, value: float, best: float) -> dict[str, float]:
+        """What an evaluation logs to W&B."""
+        return {f"test/{self.log_name}": value, f"test/best_{self.log_name}": best}
+
+    def describe(self, value: float, best: float | None = None) -> str:
+        """The evaluation in a log line: ``test accuracy 97.50% (best 98.00%)``."""
+        text = f"test {self.log_name} {value:.2f}%"
+        return text if best is None else f"{text} (best {best:.2f}%)"
 
     def __init__(self, model: nn.Module, device: torch.device) -> None:
         self.model = model  # the module to train: the scaler attaches to it, the optimizer steps it
@@ -160,23 +198,149 @@ class DetectionTask(Task):
         return Evaluation(result["map"], ap_per_class=result["ap_per_class"])
 
 
-def build_task(cfg_model: Any, info: DatasetInfo, device: torch.device) -> Task:
-    """The task for a model and dataset: builds the model (on ``device``) and checks they fit together.
+class LanguageModelTask(Task):
+    """Next-token prediction on ``(x [B, T], y [B, T])`` token windows (``y`` is ``x`` shifted by one).
 
-    Raises ``ConfigError`` for a detection model on classification data or the reverse.
+    The loss is the cross-entropy of the logits ``[B, T, vocab]`` at every position, averaged over the
+    ``B * T`` tokens (nats per token). The evaluation is the same mean over the validation windows:
+    ``val_loss``, with ``perplexity = exp(val_loss)``; lower is better, so ``best_val_loss`` is the lowest.
     """
-    name = str(cfg_model.get("name") if hasattr(cfg_model, "get") else cfg_model.name)
-    detection_data = getattr(info, "task", "classification") == "detection"
-    detection_model = name in DETECTION_MODEL_NAMES
-    if detection_model != detection_data:
-        kind = "a detection" if detection_model else "a classification"
-        data_kind = "detection" if detection_data else "classification"
-        fix = "dataset=shapes or dataset=voc" if detection_model else "model=ssd512 or model=ssd300"
+
+    metric = "val_loss"
+    log_name = "loss"
+    lower_is_better = True
+
+    def to_device(self, batch: Any) -> tuple[Tensor, Tensor]:
+        x, y = batch
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+    def loss(self, model: nn.Module, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        x, y = batch
+        logits = model(x)  # (B, T, vocab)
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten()), logits
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, loader: Iterable[Any], precision: Precision) -> Evaluation:
+        """Mean next-token cross-entropy (nats per token) over ``loader``, in eval mode and the training
+        format; ``perplexity`` too. Cost: one forward pass over the validation windows, one host sync."""
+        was_training = model.training
+        model.eval()
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        tokens = 0
+        for batch in loader:
+            x, y = self.to_device(batch)
+            with precision.autocast():
+                logits = model(x)
+            total += F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum").double()
+            tokens += y.numel()
+        model.train(was_training)
+        loss = total.item() / max(tokens, 1)
+        return Evaluation(loss, perplexity=_perplexity(loss))
+
+    def summary(self, value: float, best: float) -> dict[str, float]:
+        return {
+            **super().summary(value, best),
+            "perplexity": _perplexity(value),
+            "best_perplexity": _perplexity(best),
+        }
+
+    def log_entries(self, value: float, best: float) -> dict[str, float]:
+        return {
+            "val/loss": value,
+            "val/best_loss": best,
+            "val/perplexity": _perplexity(value),
+            "val/best_perplexity": _perplexity(best),
+        }
+
+    def describe(self, value: float, best: float | None = None) -> str:
+        text = f"val loss {value:.4f} (perplexity {_perplexity(value):.2f})"
+        return text if best is None else f"{text}, best {best:.4f}"
+
+
+def _perplexity(loss: float) -> float:
+    return math.exp(loss) if loss < 700 else math.inf  # exp overflows a float past ~709
+
+
+#: Per kind of data: what its models and its datasets are called in messages, and examples of each.
+_KINDS = {
+    "classification": (
+        "an image classifier",
+        "classification",
+        "model=resnet20 or model=vit",
+        "dataset=digits",
+    ),
+    "detection": ("a detector", "detection", "model=ssd512 or model=ssd300", "dataset=shapes or dataset=voc"),
+    "language_model": ("a language model", "text", "model=gpt", "dataset=pystdlib or dataset=tokens"),
+}
+
+
+def dataset_kind(name: str) -> str | None:
+    """``classification``, ``detection`` or ``language_model`` for a bundled dataset name; else None."""
+    from adaloss.data import DATASET_NAMES, DETECTION_DATASET_NAMES, TEXT_DATASET_NAMES
+
+    if name in DETECTION_DATASET_NAMES:
+        return "detection"
+    if name in TEXT_DATASET_NAMES:
+        return "language_model"
+    return "classification" if name in DATASET_NAMES else None
+
+
+def check_model_and_dataset(cfg_model: Any, dataset: str) -> None:
+    """``ConfigError`` unless a bundled model suits the dataset ``dataset`` (a bundled name): a detector
+    needs detection data, a language model text, a classifier images. A model of the user's own
+    (``model._target_``) is checked when it is built. Reads only names; builds nothing."""
+    name, bundled = bundled_model(cfg_model)
+    data_kind = dataset_kind(dataset)
+    if bundled is None or data_kind is None or bundled.task == data_kind:
+        return
+    model_kind = bundled.task
+    if "detection" in (model_kind, data_kind) and "language_model" not in (model_kind, data_kind):
+        if model_kind == "detection":
+            raise ConfigError(
+                f"model={name} is a detector but dataset={dataset} is a classification dataset: use a "
+                "detection "
+                f"dataset (dataset=shapes or dataset=voc) or a classifier (e.g. model=resnet20)"
+            )
         raise ConfigError(
-            f"model {name} is {kind} model but dataset {info.name} is a {data_kind} dataset: use {fix}"
+            f"dataset={dataset} is a detection dataset but model={name} is a classifier: use a detector "
+            f"(model=ssd512 or model=ssd300) or a classification dataset (e.g. dataset=cifar10)"
         )
+    what, _, _, model_data = _KINDS[model_kind]
+    _, data_what, data_model, _ = _KINDS[data_kind]
+    raise ConfigError(
+        f"model={name} is {what} but dataset={dataset} is a {data_what} dataset: use {model_data} for this "
+        f"model, or {data_model} for this dataset"
+    )
+
+
+def build_task(cfg_model: Any, info: DatasetInfo, device: torch.device) -> Task:
+    """The task the dataset calls for, with the model built on ``device``; checks that they fit together.
+
+    Raises ``ConfigError`` for a model of another kind than the data (a detector on images, a classifier
+    on text, ...), and for a model too small for the data (a GPT's vocabulary or context).
+    """
+    data_kind = getattr(info, "task", "classification")
+    check_model_and_dataset(cfg_model, info.name)
+    if data_kind == "language_model":
+        model = build_model(cfg_model, vocab_size=info.vocab_size, block_size=info.block_size)
+        if isinstance(model, GPT):
+            c = model.config
+            if c.vocab_size < info.vocab_size or c.block_size < info.block_size:
+                raise ConfigError(
+                    f"model vocab_size={c.vocab_size}, block_size={c.block_size} cannot take dataset "
+                    f"{info.name}'s "
+                    f"vocabulary of {info.vocab_size} and windows of {info.block_size} tokens: raise "
+                    "model.vocab_size "
+                    "and model.block_size or leave them unset (they follow the dataset)"
+                )
+        return LanguageModelTask(model.to(device), device)
     model = build_model(cfg_model, info.num_classes, input_shape=info.input_shape)
-    if detection_model:
+    if data_kind == "detection":
+        if not isinstance(model, SSDDetector):
+            raise ConfigError(
+                f"dataset {info.name} is a detection dataset and needs an SSD detector (model=ssd512 or "
+                f"model=ssd300), not a {type(model).__name__}"
+            )
         if model.image_size != info.image_size:
             raise ConfigError(
                 f"model.image_size={model.image_size} but the dataset's images are {info.image_size} pixels: "

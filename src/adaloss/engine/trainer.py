@@ -111,11 +111,12 @@ def train(cfg: DictConfig, callbacks: Sequence[StepCallback] = ()) -> dict[str, 
 
     Returns a dict with the task's test metric (classification: ``test_accuracy`` and
     ``best_test_accuracy``, top-1 %; detection: ``map`` and ``best_map``, VOC07 mAP %, and
-    ``ap_per_class``), ``diverged``, ``steps``, ``skipped_steps``, ``overflow_count``, ``loss_scale`` (a
+    ``ap_per_class``; language models: ``val_loss``, ``best_val_loss`` (the lowest), ``perplexity`` and
+    ``best_perplexity``), ``diverged``, ``steps``, ``skipped_steps``, ``overflow_count``, ``loss_scale`` (a
     float, or ``{layer: alpha}``), ``underflow_rate`` (``{layer: rate}`` at the last iteration, which is
     always a telemetry step), ``mean_underflow_rate``, ``wall_time_s``, ``images_per_s`` (global),
     ``world_size`` (processes), ``provenance`` (:func:`adaloss.provenance.collect_provenance`: commit,
-    versions, device, TF32) and ``config`` (the resolved config).
+    versions, device, TF32), ``data`` (a text corpus: what it was) and ``config`` (the resolved config).
 
     Under ``torchrun`` (the module docstring) every rank calls this and gets the same metrics; only rank 0
     writes. The process group is joined here and destroyed on return or error, unless it existed before or
@@ -269,7 +270,7 @@ def _train(
         check_model_shapes(resumed.state, module, resumed.path, config)  # e.g. another model.hidden
     batches = BatchStream(train_loader)  # the training batches, epoch after epoch, from a resumable position
     window = task.new_window()
-    progress = _Progress()
+    progress = _Progress(best_value=task.initial_best)
     parts = _Parts(key, module, optimizer, scheduler, scaler, batches, window, guard, progress, ranks)
     start = 0
     if resumed is not None:
@@ -411,16 +412,16 @@ def _train(
                         task.evaluate(module, test_loader, precision) if ranks.main else None
                     )
                     test_value = progress.test_value = progress.evaluation.value
-                    best_value = progress.best_value = max(progress.best_value, test_value)
+                    best_value = progress.best_value = task.best(progress.best_value, test_value)
                     ap = progress.evaluation.get("ap_per_class") or {}  # detection: AP of each class
                     logger.log(
-                        {f"test/{task.log_name}": test_value, f"test/best_{task.log_name}": best_value,
+                        {**task.log_entries(test_value, best_value),
                          **{f"test_ap/{name}": v for name, v in ap.items() if v is not None}},
                         step=done,
                     )  # fmt: skip
                     log.info(
-                        "iteration %d/%d: test %s %.2f%% (best %.2f%%), skipped steps %d",
-                        done, steps, task.log_name, test_value, best_value, scaler.skipped_steps,
+                        "iteration %d/%d: %s, skipped steps %d",
+                        done, steps, task.describe(test_value, best_value), scaler.skipped_steps,
                     )  # fmt: skip
 
                 if checkpoints.due(done, steps):  # after the evaluation, so the best metric includes it
@@ -452,8 +453,7 @@ def _train(
 
     rates, evaluation = progress.rates, progress.evaluation
     metrics: dict[str, Any] = {
-        task.metric: math.nan if diverged else progress.test_value,
-        f"best_{task.metric}": math.nan if diverged else progress.best_value,
+        **task.summary(*((math.nan, math.nan) if diverged else (progress.test_value, progress.best_value))),
         **({} if diverged else {k: v for k, v in evaluation.items()}),
         "diverged": diverged is not None,
         **({"diverged_reason": str(diverged), "diverged_at_step": diverged.step} if diverged else {}),
@@ -470,6 +470,7 @@ def _train(
         "images_per_s": done * int(cfg.trainer.batch_size) / max(progress.train_time, 1e-9),
         "world_size": ranks.world,
         "provenance": provenance,
+        **({"data": info.source} if getattr(info, "source", None) else {}),  # a text corpus: what it was
         "config": config,
     }
     if os.environ.get(DEBUG_RANK_FILES_ENV) == "1":  # test hook, see DEBUG_RANK_FILES_ENV
@@ -491,9 +492,7 @@ def _train(
     if diverged:
         log.info("run diverged at iteration %d; recorded in %s", diverged.step, run_dir / "metrics.json")
     else:
-        log.info(
-            "test %s %.2f%%; metrics in %s", task.log_name, progress.test_value, run_dir / "metrics.json"
-        )
+        log.info("%s; metrics in %s", task.describe(progress.test_value), run_dir / "metrics.json")
     return metrics
 
 

@@ -72,6 +72,7 @@ __all__ = [
     "SSDDetector",
     "SSDNet",
     "build_detector",
+    "ssd_detector",
     "load_backbone_weights",
     "lsuv_init_",
 ]
@@ -603,31 +604,50 @@ def default_boxes(config: SSDConfig, image_size: int, grid_sizes: Sequence[tuple
 
 
 def build_detector(cfg: Any, num_classes: int) -> SSDDetector:
-    """Build ``ssd300`` or ``ssd512`` for ``num_classes`` object classes (background added), on the CPU.
+    """:func:`ssd_detector` from a config node with the fields ``name`` (``ssd300`` or ``ssd512``),
+    ``image_size``, ``width_multiplier``, ``backbone_weights`` and ``background_prior``."""
+    return ssd_detector(
+        str(_field(cfg, "name")),
+        num_classes,
+        image_size=_field(cfg, "image_size", None),
+        width_multiplier=_field(cfg, "width_multiplier", 1.0),
+        backbone_weights=_field(cfg, "backbone_weights", None),
+        background_prior=_field(cfg, "background_prior", None),
+    )
 
-    Fields of ``cfg``: ``name``; ``image_size`` (default: the native 300 / 512; at least 32);
-    ``width_multiplier`` (default 1.0, the real SSD: a CPU-only knob multiplying the channels of every
-    backbone and extra layer, see :class:`SSDBackbone`); ``backbone_weights`` (null for random
-    initialization, or a state-dict file, see :func:`load_backbone_weights`; only with width 1);
-    ``background_prior`` (default null: torchvision's zero classification biases; e.g. 0.99 sets them so
-    every default box starts at that background probability, which calms the first steps from scratch).
-    Raises
-    ``ConfigError`` for invalid fields. Cost: allocating and initializing the weights (26M parameters for
-    SSD300 with 21 classes, 27M for SSD512), a fraction of a second; the feature-map sizes come from a
-    meta-device forward (free).
+
+def ssd_detector(
+    variant: str,
+    num_classes: int,
+    image_size: int | None = None,
+    width_multiplier: float = 1.0,
+    backbone_weights: str | None = None,
+    background_prior: float | None = None,
+) -> SSDDetector:
+    """Build ``ssd300`` or ``ssd512`` (``variant``) for ``num_classes`` object classes (background added),
+    on the CPU: the ``_target_`` of ``configs/model/ssd300.yaml`` and ``ssd512.yaml``.
+
+    ``image_size`` (default: the native 300 / 512; at least 32); ``width_multiplier`` (default 1.0, the real
+    SSD: a CPU-only knob multiplying the channels of every backbone and extra layer, see
+    :class:`SSDBackbone`); ``backbone_weights`` (null for random initialization, or a state-dict file, see
+    :func:`load_backbone_weights`; only with width 1); ``background_prior`` (default null: torchvision's
+    zero classification biases; e.g. 0.99 sets them so every default box starts at that background
+    probability, which calms the first steps from scratch). Raises ``ConfigError`` for invalid fields.
+    Cost: allocating and initializing the weights (26M parameters for SSD300 with 21 classes, 27M for
+    SSD512), a fraction of a second; the feature-map sizes come from a meta-device forward (free).
     """
-    name = str(_field(cfg, "name"))
+    name = str(variant)
     if name not in SSD_CONFIGS:
         raise ConfigError(f"unknown detection model '{name}': choose one of {', '.join(SSD_CONFIGS)}")
     config = SSD_CONFIGS[name]
-    image_size = _field(cfg, "image_size", config.image_size)
+    if image_size is None:
+        image_size = config.image_size
     if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < _MIN_IMAGE_SIZE:
         raise ConfigError(f"model.image_size must be an integer >= {_MIN_IMAGE_SIZE}, got {image_size!r}")
     if isinstance(num_classes, bool) or int(num_classes) < 1:
         raise ConfigError(f"a detector needs at least one object class, got num_classes={num_classes!r}")
-    width_multiplier = _field(cfg, "width_multiplier", 1.0)
     backbone = SSDBackbone(config, image_size, width_multiplier)  # validates width_multiplier
-    weights = _field(cfg, "backbone_weights", None)
+    weights = backbone_weights
     if weights is not None:
         if backbone.width_multiplier != 1.0:
             raise ConfigError(
@@ -637,7 +657,7 @@ def build_detector(cfg: Any, num_classes: int) -> SSDDetector:
         load_backbone_weights(backbone, str(weights))
     num_anchors = [2 + 2 * len(r) for r in config.aspect_ratios]
     head = SSDHead(backbone.out_channels, num_anchors, int(num_classes) + 1)  # Xavier-initialized
-    prior = _field(cfg, "background_prior", None)
+    prior = background_prior
     if prior is not None:
         if isinstance(prior, bool) or not isinstance(prior, int | float) or not 0 < prior < 1:
             raise ConfigError(f"model.background_prior must be null or a number in (0, 1), got {prior!r}")

@@ -19,17 +19,21 @@ from __future__ import annotations
 from torch import nn
 from torchvision import models as tvm
 
+from adaloss.errors import ConfigError
+
 __all__ = ["torchvision_resnet"]
 
 _BUILDERS = {"resnet18": tvm.resnet18, "resnet50": tvm.resnet50}
 
 
-def torchvision_resnet(name: str, num_classes: int, in_channels: int = 3) -> nn.Module:
-    """Build torchvision's ``name`` (``resnet18`` or ``resnet50``) with random weights and ``num_classes``.
+def torchvision_resnet(arch: str, num_classes: int, in_channels: int = 3) -> nn.Module:
+    """Build torchvision's ``arch`` (``resnet18`` or ``resnet50``) with random weights and ``num_classes``.
 
     Cost: 11.7M / 25.6M parameters (at 1000 classes), 1.8 / 4.1 GFLOPs per 224x224 image.
     """
-    model = _BUILDERS[name](weights=None, num_classes=num_classes)
+    if arch not in _BUILDERS:
+        raise ConfigError(f"model.arch must be one of {', '.join(_BUILDERS)}, got {arch!r}")
+    model = _BUILDERS[arch](weights=None, num_classes=num_classes)
     for m in model.modules():
         if isinstance(m, nn.ReLU):
             m.inplace = False

@@ -4,8 +4,9 @@
 the problem and the fix (a :class:`ConfigError`) rather than deep inside the loop or with a traceback. It
 checks the ``trainer``, ``optimizer``, ``schedule``, ``telemetry``, ``seed`` and ``device`` values the engine
 reads, that every ``${...}`` interpolation resolves, that the model and dataset exist and suit each other
-(a detector needs a detection dataset, a classifier a classification one), and it runs the precision and
-scaler builders' own checks. Data on disk is checked by the dataset builders, which read it.
+(a detector needs a detection dataset, a classifier images, a language model text) and that the
+``_target_`` of the optimizer and schedule can be imported, and it runs the precision and scaler builders'
+own checks. Data on disk is checked by the dataset builders, which read it.
 
 Types are checked here, in one place, for every group (the builders keep their own range checks):
 
@@ -108,37 +109,20 @@ def _check_sections(cfg: DictConfig) -> None:
 
 
 def _check_model_and_dataset(cfg: DictConfig) -> None:
-    """Known names, and a task both agree on (detection or classification). Reads only the names."""
+    """Known names, a model ``_target_`` that fits its name, and a task both agree on (classification,
+    detection or language modelling). Reads only the names; imports no model."""
     # Imported here: these modules pull in torch and torchvision, which `--help` and `--cfg` do not need.
-    from adaloss.data.datasets import DATASET_NAMES
-    from adaloss.data.detection import DETECTION_DATASET_NAMES
-    from adaloss.models import MODEL_NAMES
-    from adaloss.models.ssd import DETECTION_MODEL_NAMES
+    from adaloss.data import DATASET_NAMES, DETECTION_DATASET_NAMES, TEXT_DATASET_NAMES
+    from adaloss.engine.tasks import check_model_and_dataset
 
-    model, dataset = _name(cfg.model, "model"), _name(cfg.dataset, "dataset")
-    if model not in MODEL_NAMES + DETECTION_MODEL_NAMES:
+    _name(cfg.model, "model")
+    dataset = _name(cfg.dataset, "dataset")
+    datasets = DATASET_NAMES + DETECTION_DATASET_NAMES + TEXT_DATASET_NAMES
+    if dataset not in datasets:
         raise ConfigError(
-            f"unknown model '{model}' (model.name): choose model= one of "
-            f"{', '.join(MODEL_NAMES + DETECTION_MODEL_NAMES)}"
+            f"unknown dataset '{dataset}' (dataset.name): choose dataset= one of {', '.join(datasets)}"
         )
-    if dataset not in DATASET_NAMES + DETECTION_DATASET_NAMES:
-        raise ConfigError(
-            f"unknown dataset '{dataset}' (dataset.name): choose dataset= one of "
-            f"{', '.join(DATASET_NAMES + DETECTION_DATASET_NAMES)}"
-        )
-    detector, detection_data = model in DETECTION_MODEL_NAMES, dataset in DETECTION_DATASET_NAMES
-    if detector and not detection_data:
-        raise ConfigError(
-            f"model={model} is a detector but dataset={dataset} is a classification dataset: use a detection "
-            f"dataset (dataset={' or dataset='.join(DETECTION_DATASET_NAMES)}) or a classifier "
-            f"(e.g. model=resnet20)"
-        )
-    if detection_data and not detector:
-        raise ConfigError(
-            f"dataset={dataset} is a detection dataset but model={model} is a classifier: use a detector "
-            f"(model={' or model='.join(DETECTION_MODEL_NAMES)}) or a classification dataset "
-            f"(e.g. dataset=cifar10)"
-        )
+    check_model_and_dataset(cfg.model, dataset)
 
 
 def _name(node: DictConfig, section: str) -> str:
@@ -242,36 +226,9 @@ def _check_trainer(t: DictConfig) -> None:
 
 
 def _check_optimizer_and_schedule(cfg: DictConfig) -> None:
-    if cfg.optimizer.name != "sgd":
-        raise ConfigError(f"unknown optimizer '{cfg.optimizer.name}': the only choice is optimizer=sgd")
-    _number(cfg.optimizer.lr, "optimizer.lr", 0.1, 0.0, low_open=True)
-    _number(cfg.optimizer.momentum, "optimizer.momentum", 0.9, 0.0, 1.0)
-    _number(cfg.optimizer.weight_decay, "optimizer.weight_decay", 1e-4, 0.0)
+    from adaloss.engine.optim import check_optimizer_and_schedule
 
-    s = cfg.schedule
-    if s.name != "multistep":
-        raise ConfigError(f"unknown schedule '{s.name}': the only choice is schedule=multistep")
-    if not isinstance(s.milestones, ListConfig):
-        raise ConfigError(
-            f"schedule.milestones must be a list of fractions of the schedule, got {s.milestones!r}; "
-            "e.g. schedule.milestones=[0.5,0.75]"
-        )
-    milestones = list(s.milestones)
-    for m in milestones:
-        _number(m, "schedule.milestones entries", "[0.5,0.75]", 0.0, 1.0, low_open=True)
-    if milestones != sorted(milestones):
-        raise ConfigError(
-            f"schedule.milestones must be increasing fractions of the schedule, got {milestones}; "
-            f"e.g. schedule.milestones=[{','.join(f'{m:g}' for m in sorted(milestones))}]"
-        )
-    _number(s.gamma, "schedule.gamma", 0.1, 0.0, low_open=True)
-    _number(s.warmup_fraction, "schedule.warmup_fraction", 0.0, 0.0, 1.0)
-    _number(s.warmup_factor, "schedule.warmup_factor", 0.1, 0.0, low_open=True)
-    warmup = s.get("warmup", "constant")
-    if warmup not in ("constant", "linear"):
-        raise ConfigError(
-            f"schedule.warmup must be 'constant' or 'linear', got {warmup!r}; e.g. schedule.warmup=linear"
-        )
+    check_optimizer_and_schedule(cfg.optimizer, cfg.schedule, _number)
 
 
 def _check_group_numbers(cfg: DictConfig) -> None:

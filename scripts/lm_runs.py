@@ -1,0 +1,136 @@
+"""The tiny GPT on the standard library corpus under FP32 and FP16 loss scalers, over seeds (README table).
+
+    .venv/bin/python scripts/lm_runs.py [--seeds 0,1,2] [--variants fp32,none,dynamic,adaptive] [overrides]
+
+Each run composes the config ``python train.py model=gpt dataset=pystdlib <variant> <overrides>`` uses and
+calls ``adaloss.engine.train`` in this process (folders under ``--out``, default ``results/lm/``). Before it,
+the validation loss of the run's initial model is measured: the trainer seeds, builds the data and builds
+the model in that order, so doing the same here gives the weights the run starts from. Prints a Markdown
+table (mean and sample standard deviation over the seeds of the validation loss at the start and at the
+end, the best, the mean activation-gradient underflow rate over the layers at the last telemetry step, for
+the FP32 run what FP16 would lose; skipped steps, wall time) and writes every run's numbers to
+``<out>/lm_runs.json``, the table to ``<out>/table.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("ADALOSS_ROOT", str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from hydra import compose, initialize_config_dir  # noqa: E402
+from omegaconf import open_dict  # noqa: E402
+
+from _common import header_line, machine_info  # noqa: E402
+
+#: What each variant adds to ``model=gpt dataset=pystdlib``.
+VARIANTS = {
+    "fp32": ["precision=fp32", "scaler=none"],
+    "none": ["precision=fp16", "scaler=none"],
+    "dynamic": ["precision=fp16", "scaler=dynamic"],
+    "adaptive": ["precision=fp16", "scaler=adaptive"],
+}
+
+
+def compose_run(variant: str, seed: int, overrides: list[str], out: Path):  # noqa: ANN201 - a DictConfig
+    common = ["model=gpt", "dataset=pystdlib", "device=cpu", "logger=none", "trainer.progress_bar=false"]
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose(
+            config_name="train", overrides=[*common, *VARIANTS[variant], f"seed={seed}", *overrides]
+        )
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(out / f"{variant}_seed{seed}")
+    return cfg
+
+
+def initial_val_loss(cfg) -> float:  # noqa: ANN001 - a DictConfig
+    """The validation loss of the model the run starts from (same seed, same build order as the trainer)."""
+    import torch
+
+    from adaloss.data import build_datasets, make_loader
+    from adaloss.engine.tasks import build_task
+    from adaloss.precision import Precision
+    from adaloss.utils import seed_everything
+
+    seed_everything(int(cfg.seed))
+    _, val_set, info = build_datasets(cfg.dataset, cfg.paths.data_dir)
+    task = build_task(cfg.model, info, torch.device("cpu"))
+    loader = make_loader(val_set, cfg.trainer.eval_batch_size, train=False, seed=cfg.seed)
+    return task.evaluate(task.model, loader, Precision.from_config(cfg.precision, "cpu")).value
+
+
+def _cell(values: list[float], digits: int = 3) -> str:
+    if len(values) < 2:
+        return f"{values[0]:.{digits}f}"
+    return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| run | seeds | val loss at start | val loss at end | best val loss | perplexity at end "
+        "| mean underflow at end (%) | skipped steps | wall time (s) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for variant in dict.fromkeys(r["variant"] for r in rows):
+        mine = [r for r in rows if r["variant"] == variant]
+        lines.append(
+            f"| {variant} | {','.join(str(r['seed']) for r in mine)} | {_cell([r['start'] for r in mine])} "
+            f"| {_cell([r['val_loss'] for r in mine])} | {_cell([r['best_val_loss'] for r in mine])} "
+            f"| {_cell([r['perplexity'] for r in mine], 2)} "
+            f"| {_cell([100 * r['mean_underflow_rate'] for r in mine], 2)} "
+            f"| {sum(r['skipped_steps'] for r in mine)} "
+            f"| {_cell([r['wall_time_s'] for r in mine], 0)} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--variants", default="fp32,none,dynamic,adaptive", help=f"of {', '.join(VARIANTS)}")
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "lm")
+    parser.add_argument(
+        "overrides", nargs="*", help="more overrides for every run, e.g. model.tie_weights=false"
+    )
+    args = parser.parse_args(argv)
+    from adaloss.engine import train
+
+    machine = machine_info()
+    rows = []
+    for seed in (int(s) for s in args.seeds.split(",")):
+        for variant in args.variants.split(","):
+            cfg = compose_run(variant, seed, args.overrides, args.out)
+            start = initial_val_loss(cfg)
+            began = time.perf_counter()
+            metrics = train(cfg)
+            row = {
+                "variant": variant,
+                "seed": seed,
+                "start": start,
+                **{
+                    k: metrics[k]
+                    for k in ("val_loss", "best_val_loss", "perplexity", "skipped_steps", "steps")
+                },
+                "mean_underflow_rate": metrics["mean_underflow_rate"],  # the last telemetry step's
+                "wall_time_s": time.perf_counter() - began,
+            }
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    summary = {"machine": machine, "overrides": args.overrides, "runs": rows}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "lm_runs.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    text = f"{header_line(machine)}\n\n{table(rows)}\n"
+    (args.out / "table.md").write_text(text, encoding="utf-8")
+    print(f"\n{text}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""Objects from ``_target_`` configs (Hydra's ``instantiate``), with one-line errors for bad targets.
+
+The ``model``, ``optimizer`` and ``schedule`` groups name what they build with ``_target_`` (a dotted path
+to a class or function), as lightning-hydra-template does; the other keys are its arguments, except the
+group's own metadata (``name``: what runs, tables and checkpoints call it). What the config cannot know is
+filled in at build time, by parameter name: ``num_classes`` or ``vocab_size`` from the dataset, the
+optimizer's parameters, the schedule's length (see :func:`build_target`).
+
+Why not call ``hydra.utils.instantiate`` bare: its errors are multi-line reports of a failed call, and a
+target replaced on the command line (``model._target_=my_pkg.MyNet``) still carries the keys of the config
+it replaced (``depth: 20``), which its class does not take. Here a bad target is one ``ConfigError`` naming
+it and the fix, and keys the target's signature does not name are left out with one warning.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from hydra.errors import InstantiationException
+from hydra.utils import get_object, instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from adaloss.errors import ConfigError
+
+__all__ = ["build_target", "config_items", "locate_target", "target_parameters"]
+
+log = logging.getLogger(__name__)
+
+#: Hydra's own keys (``_args_``, ``_recursive_``, ...): passed to ``instantiate`` untouched.
+_SPECIAL = frozenset({"_target_", "_partial_", "_convert_", "_recursive_", "_args_"})
+
+
+def config_items(cfg: Any) -> dict[str, Any]:
+    """The keys of a config node (DictConfig, dict or attribute object) as plain Python values."""
+    if isinstance(cfg, DictConfig):
+        out = OmegaConf.to_container(cfg, resolve=True)
+        assert isinstance(out, dict)
+        return {str(k): v for k, v in out.items()}
+    if isinstance(cfg, Mapping):
+        return {
+            str(k): OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
+            for k, v in cfg.items()
+        }
+    return dict(vars(cfg))
+
+
+def locate_target(group: str, path: Any, example: str) -> Callable[..., Any]:
+    """The class or function ``path`` names; ``ConfigError`` if it cannot be imported or is not callable.
+
+    ``example`` completes the fix in the message (``model._target_=adaloss.models.vit.ViT``). Cost: the
+    import of the target's module (cached by Python after the first call).
+    """
+    if not isinstance(path, str) or not path.strip():
+        raise ConfigError(
+            f"{group}._target_ must be the dotted path of a class or function, got {path!r}; e.g. {example}"
+        )
+    quiet = logging.getLogger("hydra.utils")  # get_object logs its failure too; the ConfigError says it
+    level, quiet.disabled = quiet.disabled, True
+    try:
+        obj = get_object(path)
+    except Exception as error:  # noqa: BLE001 - ImportError, AttributeError, ValueError: all mean "not found"
+        reason = _first_line(error.__cause__ or error)
+        raise ConfigError(
+            f"{group}._target_={path} cannot be imported ({reason}): give the full dotted path of a class "
+            "in an "
+            f"installed package, on PYTHONPATH or next to train.py, e.g. {example}"
+        ) from None
+    finally:
+        quiet.disabled = level
+    if not callable(obj):
+        raise ConfigError(
+            f"{group}._target_={path} is a {type(obj).__name__}, not a class or function: name a class (or a "
+            f"function that returns one's instance), e.g. {example}"
+        )
+    return obj
+
+
+def target_parameters(obj: Callable[..., Any]) -> tuple[dict[str, inspect.Parameter], bool] | None:
+    """``(parameters by name, whether it also takes any keyword: **kwargs)`` of ``obj``, or None when
+    Python cannot read its signature (some builtins)."""
+    try:
+        params = inspect.signature(obj).parameters
+    except (TypeError, ValueError):
+        return None
+    named = {
+        n: p
+        for n, p in params.items()
+        if p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    }
+    return named, any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def build_target(
+    group: str,
+    cfg: Any,
+    *,
+    example: str,
+    args: tuple[Any, ...] = (),
+    fill: Mapping[str, Any] | None = None,
+    metadata: Iterable[str] = ("name",),
+    defaults: Mapping[str, Any] | None = None,
+) -> Any:
+    """Instantiate the ``group`` config ``cfg`` with ``hydra.utils.instantiate`` and return the object.
+
+    * ``cfg["_target_"]`` (or ``defaults["_target_"]``) names the class or function. ``defaults`` are
+      arguments the config may omit (the bundled model a ``name`` stands for).
+    * The keys in ``metadata`` are not arguments. Keys the target's signature does not name are left out,
+      with one warning (a replaced ``_target_`` inherits the replaced config's keys); with ``**kwargs`` in
+      the signature every key is passed.
+    * ``fill``: values from the run (the dataset's ``num_classes``, a schedule's ``length``) for the
+      parameters the target names and the config does not set.
+    * ``args``: positional arguments (an optimizer's parameter groups). A ``_partial_: true`` config gives a
+      ``functools.partial``, which is then called with ``args`` here, so its errors are reported too.
+
+    Any failure (not importable, not callable, missing or unexpected arguments, an exception in the
+    constructor) is one ``ConfigError`` naming the target and the fix. Cost: one import and one call.
+    """
+    items = {**(defaults or {}), **config_items(cfg)}
+    path = items.get("_target_")
+    obj = locate_target(group, path, example)
+    skip = set(metadata)
+    special = {k: v for k, v in items.items() if k in _SPECIAL}
+    kwargs = {k: v for k, v in items.items() if k not in _SPECIAL and k not in skip}
+    signature = target_parameters(obj)
+    params, takes_any = signature if signature is not None else ({}, True)
+    if not takes_any:
+        unused = [k for k in kwargs if k not in params]
+        if unused:
+            log.warning(
+                "%s._target_=%s takes no %s: left out (set by another config: the dataset's recipe, or the "
+                "one whose _target_ this replaced)",
+                group, path, ", ".join(unused),
+            )  # fmt: skip
+            kwargs = {k: v for k, v in kwargs.items() if k in params}
+    for key, value in (fill or {}).items():
+        if key not in kwargs and key in params:
+            kwargs[key] = value
+    if signature is not None:
+        _check_binding(group, path, obj, args, kwargs)
+    if args and special.get("_partial_") is not True:
+        raise ConfigError(
+            f"{group}._target_={path} must be a _partial_ config (it is called with its "
+            f"{'parameters' if group == 'optimizer' else 'optimizer'} later): set {group}._partial_=true"
+        )
+    special.setdefault("_convert_", "all")  # plain lists and dicts: picklable, and what torch expects
+    try:
+        made = instantiate({**special, **kwargs})
+        if isinstance(made, functools.partial):
+            made = made(*args)
+    except InstantiationException as error:
+        raise _call_error(group, path, error.__cause__ or error) from None
+    except ConfigError:
+        raise
+    except Exception as error:  # noqa: BLE001 - the target's own complaint about its arguments
+        raise _call_error(group, path, error) from None
+    return made
+
+
+def _check_binding(group: str, path: str, obj: Any, args: tuple, kwargs: dict[str, Any]) -> None:
+    try:
+        inspect.signature(obj).bind(*args, **kwargs)
+    except TypeError as error:
+        raise ConfigError(
+            f"{group}._target_={path} cannot be called with {_show(kwargs)}: {error}; give the missing "
+            f"arguments as {group}.<name>=<value> (a key the config lacks needs a +: +{group}.<name>=<value>)"
+        ) from None
+
+
+def _call_error(group: str, path: str, error: BaseException) -> ConfigError:
+    if isinstance(error, ConfigError):
+        return error
+    return ConfigError(
+        f"{group}._target_={path} failed: {type(error).__name__}: {_first_line(error)}; check its arguments "
+        f"({group}.<name>=<value>; python train.py <overrides> --cfg job shows them)"
+    )
+
+
+def _show(kwargs: Mapping[str, Any]) -> str:
+    return "(" + ", ".join(f"{k}={v!r}" for k, v in kwargs.items() if k != "params")[:200] + ")"
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__
