@@ -214,7 +214,9 @@ def floor_pow2(x: torch.Tensor) -> torch.Tensor:
     if mask is None:
         return torch.exp2(torch.floor(torch.log2(x)))
     int_dtype, bits = mask
-    return torch.bitwise_and(x.contiguous().view(int_dtype), bits).view(x.dtype).reshape(x.shape)
+    if not x.is_contiguous():
+        x = x.contiguous()
+    return torch.bitwise_and(x.view(int_dtype), bits).view(x.dtype)
 
 
 def _floor_pow2_host(x: float) -> float:

@@ -232,6 +232,7 @@ class AdaptiveLossScaler(LossScaler):
         self._gemm_param_ids: set[int] = set()
         self._gemm_weights: list[torch.Tensor] = []
         self._scales_cache: tuple[dict[str, float], dict[str, float]] | None = None
+        self._inverse_cache: dict[tuple[float, torch.device], torch.Tensor] = {}  # host 1/alpha on devices
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any], fmt: FloatFormat | None) -> AdaptiveLossScaler:
@@ -399,17 +400,11 @@ class AdaptiveLossScaler(LossScaler):
             groups = merged
         found: dict[torch.device, torch.Tensor] = {}
         with torch.no_grad():
+            inverses = self._inverse_alphas(groups)  # one kernel for the device alphas, cached host ones
             for (key, device, _), grads in groups.items():
-                flag = found.setdefault(device, torch.zeros((), dtype=torch.float32, device=device))
-                if isinstance(key, float):  # a host alpha
-                    inv = torch.full((), 1.0 / key, dtype=torch.float32, device=device)
-                else:
-                    alpha = state.alpha[key] if (state is not None and key is not None) else None
-                    if alpha is None:
-                        inv = torch.ones((), dtype=torch.float32, device=device)
-                    else:
-                        inv = (1.0 / alpha.float()).to(device).reshape(())
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv)
+                if device not in found:
+                    found[device] = torch.zeros((), dtype=torch.float32, device=device)
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, found[device], inverses[key, device])
         if not found:
             return torch.zeros((), dtype=torch.float32, device=self._fallback_device())
         flags = list(found.values())
@@ -417,6 +412,36 @@ class AdaptiveLossScaler(LossScaler):
         for f in flags[1:]:
             combined = combined + f.to(combined.device, non_blocking=True)
         return combined
+
+    def _inverse_alphas(self, groups: dict[tuple, list[torch.Tensor]]) -> dict[tuple, torch.Tensor]:
+        """``1 / alpha`` of every (slot or host value, device) group of ``_unscale_grads_``, as 0-dim float32
+        tensors on the group's device: the device alphas of a recompute step stacked and inverted in one
+        kernel per device, host values from a cache (a fill kernel the first time a value is seen)."""
+        state = self.state
+        out: dict[tuple, torch.Tensor] = {}
+        device_alphas: dict[torch.device, list[tuple[Any, torch.Tensor]]] = defaultdict(list)
+        for key, device, _ in groups:
+            if (key, device) in out:
+                continue
+            alpha = None
+            if isinstance(key, float):
+                alpha = key
+            elif state is not None and key is not None:
+                alpha = state.alpha[key]
+            if isinstance(alpha, torch.Tensor):
+                device_alphas[device].append((key, alpha))
+                out[key, device] = None  # type: ignore[assignment]  (filled below)
+                continue
+            value = 1.0 if alpha is None else 1.0 / float(alpha)
+            cached = self._inverse_cache.get((value, device))
+            if cached is None:
+                cached = self._inverse_cache[value, device] = torch.full((), value, device=device)
+            out[key, device] = cached
+        for device, pairs in device_alphas.items():
+            stacked = torch.stack([a.reshape(()).to(device=device, dtype=torch.float32) for _, a in pairs])
+            for (key, _), inv in zip(pairs, stacked.reciprocal_().unbind(0), strict=True):
+                out[key, device] = inv
+        return out
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Finish the iteration: count it, and decide what the next one does (see the class docstring).
