@@ -22,13 +22,9 @@ diverged as scale 1 did.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from typing import Any
 
 import pytest
-
-from conftest import ROOT
 
 D = "diverged"
 
@@ -108,18 +104,12 @@ def _published_in_make_tables() -> dict[str, dict[tuple, dict[Any, Any]]]:
     """``{table name: {row key: {column key: published value}}}`` as ``make tables`` uses them.
 
     The one place that knows where make_tables keeps them (today: each ``TableSpec.paper`` of
-    ``scripts/make_tables.py``'s ``TABLES``); when that code moves, only this function changes.
+    ``adaloss.reports.tables.TABLES``, which ``scripts/make_tables.py`` runs); when that code
+    moves, only this function changes.
     """
-    scripts = ROOT / "scripts"
-    if str(scripts) not in sys.path:
-        sys.path.insert(0, str(scripts))
-    spec = importlib.util.spec_from_file_location(
-        "_adaloss_script_make_tables_paper", scripts / "make_tables.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return {table.name: table.paper for table in module.TABLES}
+    from adaloss.reports.tables import TABLES
+
+    return {table.name: table.paper for table in TABLES}
 
 
 def _transcription() -> dict[str, dict[tuple, dict[Any, Any]]]:

@@ -158,7 +158,7 @@ def test_a_second_process_is_refused_and_a_killed_runs_lock_is_taken_over(tmp_pa
     assert f"took over the lock of a run that is no longer running (PID {first.pid} on" in out
     assert (run / "metrics.json").exists() and not (run / LOCK_FILE).exists()
     assert _steps(run / "scalars.csv") == list(range(1, 151))  # each iteration once, none twice
-    assert _steps(run / "telemetry.jsonl") == [1, *range(11, 151, 10)]
+    assert _steps(run / "telemetry.jsonl") == [1, *range(11, 151, 10), 150]  # and the last step
 
 
 # ----------------------------------------------------------------------------- starts trim append-only files

@@ -587,6 +587,7 @@ def test_build_scaler_reports_bad_config() -> None:
 
 
 def test_build_scaler_adaptive_builds_the_layer_wise_scaler() -> None:
+    from adaloss.adaptive.rules import REFERENCE_FP16_U_MIN
     from adaloss.numerics import get_format
     from adaloss.scalers.adaptive import AdaptiveLossScaler
 
@@ -595,7 +596,9 @@ def test_build_scaler_adaptive_builds_the_layer_wise_scaler() -> None:
     assert type(scaler) is AdaptiveLossScaler
     assert (scaler.t_uf, scaler.update_every, scaler.get_scale()) == (1e-2, 7, 4.0)
     assert scaler.u_min == 2.0**-16  # the gradient format's smallest subnormal: FP8 e5m2's, not FP16's
-    assert build_scaler({"name": "adaptive"}).u_min == 2.0**-24  # no format given: FP16
+    # No format given: FP16, with the u_min each rule's source uses (the authors' code 6e-8, the text 2^-24).
+    assert build_scaler({"name": "adaptive"}).u_min == REFERENCE_FP16_U_MIN == 6e-8
+    assert build_scaler({"name": "adaptive", "rule": "paper"}).u_min == 2.0**-24
 
 
 def test_build_scaler_adaptive_delegates_to_from_config(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -293,6 +293,16 @@ def test_bench_op_counts_tiny(bench, tmp_path: Path, capsys, one_thread) -> None
     assert "adaptive recompute: +" in printed and "by origin" in printed
 
 
+def test_bench_batch_check_allows_only_the_multiplies_of_betas_that_differ(bench) -> None:
+    same = bench._same_ops_but_betas
+    a = {"by_op": {"mul": 3, "add": 2}, "betas_not_1": 1}
+    assert same(a, {"by_op": {"mul": 3, "add": 2}, "betas_not_1": 1})
+    assert same(a, {"by_op": {"mul": 2, "add": 2}, "betas_not_1": 0})  # one beta fewer, one mul fewer
+    assert not same(a, {"by_op": {"mul": 2, "add": 2}, "betas_not_1": 1})  # a mul with no beta to explain it
+    assert not same(a, {"by_op": {"mul": 2, "add": 1}, "betas_not_1": 0})  # another op differs too
+    assert not same({"by_op": {"add": 2}}, {"by_op": {"add": 3}})  # no betas at all (dynamic)
+
+
 def test_bench_op_count_switch(bench) -> None:
     assert bench.parse_args([]).opcounts == "on"
     assert bench.parse_args(["--quick"]).opcounts == "off"
