@@ -88,7 +88,7 @@ def _check_run(metrics: dict, run_dir: Path) -> None:
     "variant",
     [
         ("precision=fp32",),
-        ("scaler=adaptive",),  # the tied head: the embedding's and the head's uses each unscaled by their alpha
+        ("scaler=adaptive",),  # tied head: the embedding and the head each unscaled by their own alpha
         pytest.param(("scaler=dynamic",), marks=pytest.mark.slow),
     ],
     ids=["fp32", "fp16-adaptive", "fp16-dynamic"],
