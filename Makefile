@@ -36,7 +36,7 @@ format: setup ## ruff auto-format and fix
 demo: setup ## train ResNet-20 on digits under FP32 and every FP16 scaler; print the comparison table
 	$(PY) scripts/demo.py
 
-bench: setup ## step-time ratios (emulated FP16 / FP32, scalers / none, telemetry), dispatched ops per step
+bench: setup ## step-time ratios (emulated FP16 / FP32, scalers / none, telemetry; the tiny GPT), dispatched ops per step
 	$(PY) scripts/bench.py
 
 RUNS ?= results/sweeps

@@ -38,6 +38,7 @@ PRETTY = {
     "resnet56": "ResNet-56",
     "resnet110": "ResNet-110",
     "vgg_nobn": "VGG (no BN)",
+    "gpt": "GPT (tiny)",
 }
 
 

@@ -59,6 +59,12 @@ Paired runs: ``--configs fp16_dynamic fp16_adaptive_u100`` measures only those c
 only the ratios between them), so a comparison of two configurations gets more rounds in the same time and
 does not share the heap with five unrelated models.
 
+The tiny GPT (``--gpt on|off|only``): after the ResNets, ``model=gpt`` (4 blocks, width 64, the head tied
+to the embedding) on random 64-byte windows takes the same interleaved rounds with dynamic scaling, an
+identical copy of it (A/A), and the adaptive scaler at ``update_every=100`` with and without attention's own
+betas (``product_betas``). Its goal (issue 18): the amortized adaptive step at most 1.05x a dynamic step.
+About a minute (``--gpt-budget``); ``--gpt only`` runs it alone (``results/bench/gpt.json``).
+
 Dispatched ops per step, a GPU-cost proxy (``--opcounts on|off|only``): no GPU is available here, and on
 a GPU a step's host cost is largely one kernel launch per dispatched op, so after the timing the script
 counts the ATen ops of one dynamic step and of adaptive reuse and recompute steps (ResNet-20 and -110),
@@ -79,6 +85,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import gc
 import math
 import random
@@ -218,6 +225,53 @@ RATIOS: tuple[RatioDef, ...] = (
 )
 RATIO_KEYS = tuple(r.key for r in RATIOS)
 
+#: The tiny GPT (issue 18): ``model=gpt``'s sizes on byte windows as long as ``dataset=pystdlib``'s, random
+#: bytes (a step's time does not depend on which). Only the configurations its goal compares, an A/A control,
+#: and the adaptive scaler without attention's own betas, to show what they cost.
+GPT_MODEL = "gpt"
+GPT_BLOCK = 64
+GPT_VOCAB = 256
+GPT_PLAN = {"rounds": 40, "steps": 3, "warmup": 3}
+GPT_SPECS: tuple[Spec, ...] = (
+    Spec("fp16_dynamic", "fp16", {"name": "dynamic"}),
+    Spec("fp16_dynamic_b", "fp16", {"name": "dynamic"}),  # A/A control: the same configuration twice
+    Spec("fp16_adaptive_u100", "fp16", {"name": "adaptive", "update_every": 100}, extra="recompute"),
+    Spec(
+        "fp16_adaptive_u100_noprod",
+        "fp16",
+        {"name": "adaptive", "update_every": 100, "product_betas": False},
+        extra="recompute",
+    ),
+)
+_BY_KEY = {r.key: r for r in RATIOS}
+GPT_RATIOS: tuple[RatioDef, ...] = (
+    # the issue's goal for the tiny GPT (the ResNets' row holds the paper's 0.27%)
+    dataclasses.replace(_BY_KEY["adaptive_u100_over_dynamic"], target=1.05, paper=""),
+    RatioDef(
+        "adaptive_u100_noprod_over_dynamic",
+        "the same without attention's betas (scaler.product_betas=false)",
+        None,
+        lambda t: (
+            (t("fp16_adaptive_u100_noprod", "recompute") + 99 * t("fp16_adaptive_u100_noprod", "reuse"))
+            / (100 * t("fp16_dynamic", "plain"))
+        ),
+    ),
+    RatioDef(
+        "aa_control",
+        "A/A control: FP16 dynamic / identical FP16 dynamic",
+        None,
+        lambda t: t("fp16_dynamic_b", "plain") / t("fp16_dynamic", "plain"),
+    ),
+    _BY_KEY["adaptive_recompute_over_dynamic"],
+    _BY_KEY["adaptive_reuse_over_dynamic"],
+    RatioDef(
+        "adaptive_noprod_reuse_over_dynamic",
+        "adaptive reuse step without attention's betas / dynamic step",
+        None,
+        lambda t: t("fp16_adaptive_u100_noprod", "reuse") / t("fp16_dynamic", "plain"),
+    ),
+)
+
 
 def ratio_configs(r: RatioDef) -> set[str]:
     """The configurations a ratio reads (found by evaluating it on a recording timer)."""
@@ -252,7 +306,12 @@ class Runner:
     """
 
     def __init__(
-        self, spec: Spec, base_model: torch.nn.Module, batches: Sequence[tuple], replica: int = 0
+        self,
+        spec: Spec,
+        base_model: torch.nn.Module,
+        batches: Sequence[tuple],
+        replica: int = 0,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
     ) -> None:
         from adaloss.precision import Precision
         from adaloss.scalers import build_scaler
@@ -272,6 +331,7 @@ class Runner:
             else None
         )
         self.batches = batches
+        self.loss_fn = loss_fn
         self.n = 0
         self.skipped_timed = 0
 
@@ -287,7 +347,7 @@ class Runner:
         monitor = self.monitor if kind == "telemetry" else None
         t0 = _CLOCK()
         with self.precision.autocast(monitor=monitor):
-            loss = F.cross_entropy(self.model(x), y)
+            loss = self.loss_fn(self.model(x), y)
         self.scaler.scale(loss).backward()
         self.scaler.step(self.opt)
         self.scaler.update()
@@ -366,14 +426,30 @@ def measure_model(
 
     t_start = time.perf_counter()
     torch.manual_seed(seed)
-    base = build_model(C.model_cfg(name), 10)
     gen = torch.Generator().manual_seed(seed)
-    batches = [
-        (torch.randn(batch, 3, 32, 32, generator=gen), torch.randint(0, 10, (batch,), generator=gen))
-        for _ in range(N_BATCHES)
-    ]
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy
+    if name == GPT_MODEL:
+        base = build_model(
+            OmegaConf.load(C.ROOT / "configs" / "model" / "gpt.yaml"),
+            vocab_size=GPT_VOCAB,
+            block_size=GPT_BLOCK,
+        )
+        windows = [
+            torch.randint(0, GPT_VOCAB, (batch, GPT_BLOCK + 1), generator=gen) for _ in range(N_BATCHES)
+        ]
+        batches = [(w[:, :-1], w[:, 1:]) for w in windows]
+
+        def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # the language model's
+            return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    else:
+        base = build_model(C.model_cfg(name), 10)
+        batches = [
+            (torch.randn(batch, 3, 32, 32, generator=gen), torch.randint(0, 10, (batch,), generator=gen))
+            for _ in range(N_BATCHES)
+        ]
     # ``replicas`` separately built copies of every configuration (see the module docstring).
-    runners = [Runner(spec, base, batches, replica=i) for i in range(replicas) for spec in specs]
+    runners = [Runner(spec, base, batches, i, loss_fn) for i in range(replicas) for spec in specs]
     rng = random.Random(seed)
     previous: Runner | None = None
     result = ModelResult(name)
@@ -535,27 +611,15 @@ def depth_trend(ratios: dict[str, dict[str, Any]], key: str, models: Sequence[st
     return f"{chain}: grows with depth: {verdict}{note}"
 
 
-def render(
-    info: dict[str, Any], settings: dict[str, Any], results: Sequence[ModelResult], ratios: dict[str, Any]
-) -> str:
-    models = [r.model for r in results]
-    lines = [
-        f"### Step-time ratios (batch {settings['batch']}, synthetic 32x32 inputs, CPU, emulated FP16, "
-        f"{settings.get('clock', 'wall')} clock)",
-        "",
-        C.header_line(info),
-        "",
-        f"malloc tuned: {'yes' if settings.get('malloc_tuned') else 'no'}; native FP16 kernels: "
-        f"{settings.get('native_kernels', 'unknown')}; fused autograd nodes: "
-        f"{settings.get('fused_nodes', 'unknown')}.",
-        "",
-        "Each ratio is the median over interleaved rounds of the per-round ratio of mean step times, all "
-        "configurations in one process (p25-p75 of the per-round ratios beside it; Resolved: no when the "
-        "target lies inside that range). A step is forward + loss + scaled backward + scaler.step + update "
-        "+ zero_grad; SGD lr 0.01 momentum 0.9.",
-        "",
-    ]
-    present = [r for r in RATIOS if f"{r.key}/{models[0]}" in ratios] if models else []
+def ratio_tables(
+    ratios: dict[str, Any],
+    present: Sequence[RatioDef],
+    models: Sequence[str],
+    context: str = "the noise floor and the step kinds behind the amortized rows",
+) -> list[str]:
+    """The lines of the two ratio tables: those with a target (median, p25-p75, verdict, whether it is
+    resolved), then the context rows without one."""
+    lines: list[str] = []
     rows = []
     for r in present:
         if r.target is None:
@@ -582,7 +646,7 @@ def render(
             left=2,
         )
     )
-    lines += ["", "Context (no target): the noise floor and the step kinds behind the amortized rows.", ""]
+    lines += ["", f"Context (no target): {context}.", ""]
     rows = []
     for r in present:
         if r.target is not None:
@@ -591,6 +655,31 @@ def render(
             e = ratios[f"{r.key}/{m}"]
             rows.append([r.label, C.PRETTY.get(m, m), _fmt_x(e["median"]), f"{e['p25']:.3f}-{e['p75']:.3f}"])
     lines.append(C.markdown_table(["Ratio", "Model", "Median", "p25-p75"], rows, left=2))
+    return lines
+
+
+def render(
+    info: dict[str, Any], settings: dict[str, Any], results: Sequence[ModelResult], ratios: dict[str, Any]
+) -> str:
+    models = [r.model for r in results]
+    lines = [
+        f"### Step-time ratios (batch {settings['batch']}, synthetic 32x32 inputs, CPU, emulated FP16, "
+        f"{settings.get('clock', 'wall')} clock)",
+        "",
+        C.header_line(info),
+        "",
+        f"malloc tuned: {'yes' if settings.get('malloc_tuned') else 'no'}; native FP16 kernels: "
+        f"{settings.get('native_kernels', 'unknown')}; fused autograd nodes: "
+        f"{settings.get('fused_nodes', 'unknown')}.",
+        "",
+        "Each ratio is the median over interleaved rounds of the per-round ratio of mean step times, all "
+        "configurations in one process (p25-p75 of the per-round ratios beside it; Resolved: no when the "
+        "target lies inside that range). A step is forward + loss + scaled backward + scaler.step + update "
+        "+ zero_grad; SGD lr 0.01 momentum 0.9.",
+        "",
+    ]
+    present = [r for r in RATIOS if f"{r.key}/{models[0]}" in ratios] if models else []
+    lines += ratio_tables(ratios, present, models)
     trends = [
         (key, depth_trend(ratios, key, models))
         for key in ("adaptive_u1_over_dynamic", "adaptive_u100_over_dynamic")
@@ -668,6 +757,33 @@ def render(
         lines.append(C.markdown_table(["Model", "Configuration", "Copy / copy 0"], rows, left=3))
     total = sum(r.seconds for r in results)
     lines += ["", f"Total measurement time {total:.0f}s."]
+    return "\n".join(lines)
+
+
+def render_gpt(
+    info: dict[str, Any], settings: dict[str, Any], result: ModelResult, ratios: dict[str, Any]
+) -> str:
+    """The tiny GPT's table: adaptive ``update_every=100`` against dynamic, with and without attention's
+    own betas, and the step kinds behind them."""
+    lines = [
+        f"### Tiny GPT step-time ratios (model=gpt, batch {settings['batch']} x {GPT_BLOCK} tokens, CPU, "
+        f"emulated FP16, {settings.get('clock', 'wall')} clock)",
+        "",
+        C.header_line(info),
+        "",
+        "Interleaved rounds and steps as for the ResNets (SGD lr 0.01, momentum 0.9; the language model's "
+        "cross-entropy). Amortized: (one recompute step + 99 reuse steps) / (100 dynamic steps).",
+        "",
+        *ratio_tables(
+            ratios, GPT_RATIOS, [GPT_MODEL], "without attention's betas, the noise floor, the step kinds"
+        ),
+    ]
+    skipped = {k: v for k, v in result.skipped.items() if v}
+    if skipped:
+        lines += ["", f"- note: timed steps skipped on Inf/NaN gradients: {skipped}"]
+    if result.cut_by_budget:
+        lines += ["", f"- note: stopped after {len(result.rounds)} rounds by the time budget"]
+    lines += ["", f"Total measurement time {result.seconds:.0f}s."]
     return "\n".join(lines)
 
 
@@ -1122,6 +1238,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--opcount-top", type=int, default=16, help="rows of each where-the-ops-come-from table (default 16)"
     )
+    p.add_argument(
+        "--gpt",
+        choices=("on", "off", "only"),
+        default=None,
+        help="the tiny GPT's adaptive / dynamic row: on (default; off with --quick), off, or only (no\n"
+        "ResNets, no op counts; default --out results/bench/gpt.json)",
+    )
+    p.add_argument(
+        "--gpt-budget", type=float, default=240.0, help="seconds for the tiny GPT's rounds (default 240)"
+    )
     p.add_argument("--out", default=None, help="JSON output (default results/bench/bench.json)")
     args = p.parse_args(argv)
     args.argv = list(argv) if argv is not None else sys.argv[1:]
@@ -1136,7 +1262,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     args.opcounts = args.opcounts or ("off" if args.quick else "on")
-    name = "opcounts.json" if args.opcounts == "only" else "bench.json"
+    args.gpt = args.gpt or ("off" if args.quick else "on")
+    if args.gpt == "only" and args.opcounts == "only":
+        p.error("--gpt only and --opcounts only exclude each other: run them one at a time")
+    name = {"only": "gpt.json"}.get(args.gpt, "opcounts.json" if args.opcounts == "only" else "bench.json")
     args.out = args.out or str(C.ROOT / "results" / "bench" / name)
     keys = [s.key for s in SPECS]
     chosen = [c for item in (args.configs or keys) for c in item.split(",") if c]
@@ -1183,6 +1312,12 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     info = C.machine_info()
     if args.opcounts == "only":
         return _run_op_counts(args, info, log)
+    if args.gpt == "only":
+        t0 = time.perf_counter()
+        gpt = _gpt_section(args, info, log)
+        settings = {"argv": args.argv, "batch": args.batch, "clock": args.clock, "threads": args.threads}
+        payload = {"machine": info, "settings": settings, **gpt}
+        return _write(args, payload, t0, log)
     weights = {m: PLAN[m]["weight"] for m in args.models}
     total_w = sum(weights.values())
     t0 = time.perf_counter()
@@ -1223,6 +1358,11 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     ratios = summarize(results, selected_ratios([s.key for s in args.specs]))
     text = render(info, settings, results, ratios)
     print(text, flush=True)
+    gpt = None
+    if args.gpt == "on":
+        print(flush=True)
+        gpt = _gpt_section(args, info, log)
+        text += "\n\n" + gpt["table_markdown"]
     op_counts = None
     if args.opcounts == "on":
         print(flush=True)
@@ -1245,10 +1385,45 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             }
             for r in results
         },
+        "gpt": gpt,
         "op_counts": op_counts,
         "table_markdown": text,
     }
     return _write(args, payload, t0, log)
+
+
+def _gpt_section(
+    args: argparse.Namespace, info: dict[str, Any], log: Callable[[str], None]
+) -> dict[str, Any]:
+    """Time the tiny GPT's configurations, print its table; returns its ratios, step times and table."""
+    rounds = args.rounds or (2 if args.quick else GPT_PLAN["rounds"])
+    steps = args.steps or (1 if args.quick else GPT_PLAN["steps"])
+    warmup = args.warmup if args.warmup is not None else (1 if args.quick else GPT_PLAN["warmup"])
+    result = measure_model(
+        GPT_MODEL,
+        args.batch,
+        rounds,
+        steps,
+        warmup,
+        args.gpt_budget,
+        args.seed,
+        log,
+        GPT_SPECS,
+        args.replicas,
+    )
+    ratios = summarize([result], GPT_RATIOS)
+    text = render_gpt(info, {"batch": args.batch, "clock": args.clock}, result, ratios)
+    print(text, flush=True)
+    return {
+        "ratios": ratios,
+        "rounds": len(result.rounds),
+        "cut_by_budget": result.cut_by_budget,
+        "seconds": result.seconds,
+        "skipped_timed_steps": result.skipped,
+        "step_times": result.rounds,
+        "configs": [{"key": s.key, "scaler": s.scaler, "extra": s.extra} for s in GPT_SPECS],
+        "table_markdown": text,
+    }
 
 
 def _op_count_section(

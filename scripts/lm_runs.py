@@ -10,6 +10,10 @@ table (mean and sample standard deviation over the seeds of the validation loss 
 end, the best, the mean activation-gradient underflow rate over the layers at the last telemetry step, for
 the FP32 run what FP16 would lose; skipped steps, wall time) and writes every run's numbers to
 ``<out>/lm_runs.json``, the table to ``<out>/table.md``.
+
+``--merge`` keeps the runs of the variants not run now from an earlier ``<out>/lm_runs.json`` made with the
+same overrides (adding one variant to a table costs that variant's runs only); the table's header then names
+the machine and load of both measurements.
 """
 
 from __future__ import annotations
@@ -92,21 +96,64 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def kept_runs(path: Path, variants: list[str], overrides: list[str]) -> list[dict]:
+    """The earlier runs at ``path`` of variants other than ``variants``, each with its machine (``--merge``).
+
+    Nothing if there is no earlier file; one ``error:`` line (``SystemExit``) if it was made with other
+    overrides, as its rows would not be comparable."""
+    if not path.is_file():
+        return []
+    try:
+        earlier = json.loads(path.read_text(encoding="utf-8"))
+        runs, made_with = earlier["runs"], earlier["overrides"]
+        kept = [{"machine": earlier["machine"], **r} for r in runs if r["variant"] not in variants]
+    except (ValueError, KeyError, TypeError) as error:
+        raise SystemExit(
+            f"error: {path} is not an lm_runs.json ({error}); remove it or drop --merge"
+        ) from None
+    if made_with != overrides:
+        raise SystemExit(
+            f"error: {path} was made with overrides {made_with}, not {overrides}: "
+            "give the same overrides or drop --merge"
+        )
+    return kept
+
+
+def headers(rows: list[dict]) -> str:
+    """One header line per machine measurement, naming its variants when the rows come from more than one."""
+    by_machine: dict[str, list[str]] = {}
+    for row in rows:
+        names = by_machine.setdefault(header_line(row["machine"]), [])
+        if row["variant"] not in names:
+            names.append(row["variant"])
+    if len(by_machine) == 1:
+        return next(iter(by_machine))
+    return "\n".join(f"{', '.join(names)}: {line}" for line, names in by_machine.items())
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--variants", default="fp32,none,dynamic,adaptive", help=f"of {', '.join(VARIANTS)}")
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "lm")
     parser.add_argument(
+        "--merge", action="store_true", help="keep the other variants' runs from <out>/lm_runs.json"
+    )
+    parser.add_argument(
         "overrides", nargs="*", help="more overrides for every run, e.g. model.tie_weights=false"
     )
     args = parser.parse_args(argv)
     from adaloss.engine import train
 
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"error: unknown variant(s) {', '.join(unknown)}: choose from {', '.join(VARIANTS)}")
+    kept = kept_runs(args.out / "lm_runs.json", variants, args.overrides) if args.merge else []
     machine = machine_info()
     rows = []
     for seed in (int(s) for s in args.seeds.split(",")):
-        for variant in args.variants.split(","):
+        for variant in variants:
             cfg = compose_run(variant, seed, args.overrides, args.out)
             start = initial_val_loss(cfg)
             began = time.perf_counter()
@@ -121,13 +168,16 @@ def main(argv: list[str] | None = None) -> None:
                 },
                 "mean_underflow_rate": metrics["mean_underflow_rate"],  # the last telemetry step's
                 "wall_time_s": time.perf_counter() - began,
+                "machine": machine,
             }
             rows.append(row)
-            print(json.dumps(row), flush=True)
+            print(json.dumps({k: v for k, v in row.items() if k != "machine"}), flush=True)
+    order = list(VARIANTS)
+    rows = sorted(kept + rows, key=lambda r: (order.index(r["variant"]), r["seed"]))
     summary = {"machine": machine, "overrides": args.overrides, "runs": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "lm_runs.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-    text = f"{header_line(machine)}\n\n{table(rows)}\n"
+    text = f"{headers(rows)}\n\n{table(rows)}\n"
     (args.out / "table.md").write_text(text, encoding="utf-8")
     print(f"\n{text}")
 

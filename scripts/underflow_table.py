@@ -152,9 +152,17 @@ def train_fp32(
 
 
 def measure(
-    model: torch.nn.Module, precision_name: str, scaler_cfg: dict[str, Any], x: torch.Tensor, y: torch.Tensor
+    model: torch.nn.Module,
+    precision_name: str,
+    scaler_cfg: dict[str, Any],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
 ) -> dict[str, Any]:
-    """One telemetry step of a deep copy of ``model``: per-layer underflow rates, loss, adaptive alphas."""
+    """One telemetry step of a deep copy of ``model``: per-layer underflow rates, loss, adaptive alphas.
+
+    ``loss_fn(output, y)``: the classifier's cross-entropy by default (``scripts/lm_underflow.py`` passes
+    the language model's, over every position)."""
     from adaloss.precision import Precision
     from adaloss.scalers import build_scaler
     from adaloss.telemetry import UnderflowMonitor
@@ -165,7 +173,7 @@ def measure(
     net.train()
     monitor = UnderflowMonitor(every=1, fmt=precision.telemetry_format)
     with precision.autocast(monitor=monitor):
-        loss = F.cross_entropy(net(x), y)
+        loss = loss_fn(net(x), y)
     scaler.scale(loss).backward()
     rates = monitor.underflow_rates()
     alphas = scaler.layer_scales() if hasattr(scaler, "layer_scales") else {}

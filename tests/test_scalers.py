@@ -23,6 +23,8 @@ from adaloss.scalers import (
     NoLossScaler,
     build_scaler,
 )
+from adaloss.utils.config import validate_config
+from conftest import compose_train
 
 INF, NAN = float("inf"), float("nan")
 
@@ -599,6 +601,24 @@ def test_build_scaler_adaptive_builds_the_layer_wise_scaler() -> None:
     # No format given: FP16, with the u_min each rule's source uses (the authors' code 6e-8, the text 2^-24).
     assert build_scaler({"name": "adaptive"}).u_min == REFERENCE_FP16_U_MIN == 6e-8
     assert build_scaler({"name": "adaptive", "rule": "paper"}).u_min == 2.0**-24
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"), [(None, True), ("false", False), ("no", False), ("true", True)]
+)
+def test_product_betas_from_the_command_line_reach_the_scaler(value: str | None, expected: bool) -> None:
+    """``scaler.product_betas=false`` (a key of ``configs/scaler/adaptive.yaml``, no ``+``) is read as the
+    boolean YAML means and arrives at ``AdaptiveLossScaler``; absent, the config's default (on) holds."""
+    cfg = compose_train(["scaler=adaptive", *([f"scaler.product_betas={value}"] if value else [])])
+    validate_config(cfg)
+    assert build_scaler(cfg.scaler).product_betas is expected
+
+
+def test_product_betas_must_be_a_boolean() -> None:
+    with pytest.raises(ConfigError, match=r"^scaler.product_betas must be true or false, got 'maybe'"):
+        validate_config(compose_train(["scaler=adaptive", "scaler.product_betas=maybe"]))
+    with pytest.raises(ConfigError, match="scaler.product_betas must be true or false, got 1"):
+        build_scaler({"name": "adaptive", "product_betas": 1})  # the class checks it too (library use)
 
 
 def test_build_scaler_adaptive_delegates_to_from_config(monkeypatch: pytest.MonkeyPatch) -> None:

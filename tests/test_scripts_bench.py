@@ -81,7 +81,7 @@ def test_bench_quick_writes_every_ratio(bench, tmp_path: Path, capsys, one_threa
     bench.main([*argv, "--out", str(out)])
     payload = json.loads(out.read_text())
     assert payload["settings"]["clock"] == "cpu" and bench._CLOCK is bench.CLOCKS["wall"]  # restored
-    assert payload["op_counts"] is None  # --quick leaves the op counts out
+    assert payload["op_counts"] is None and payload["gpt"] is None  # --quick leaves both out
     assert set(bench.RATIO_KEYS) == set(BENCH_RATIOS)
     for key in BENCH_RATIOS:
         entry = payload["ratios"][f"{key}/resnet20"]
@@ -142,6 +142,58 @@ def test_bench_paired_configs_report_only_their_ratios(bench, tmp_path: Path, ca
     }
     printed = capsys.readouterr().out
     assert "adaptive update_every=100 / dynamic" in printed and "emulated FP16 / FP32" not in printed
+
+
+#: The tiny GPT's ratios (issue 18's goal: adaptive at update_every=100 at most 1.05x a dynamic step).
+GPT_RATIOS = (
+    "adaptive_u100_over_dynamic",
+    "adaptive_u100_noprod_over_dynamic",
+    "aa_control",
+    "adaptive_recompute_over_dynamic",
+    "adaptive_reuse_over_dynamic",
+    "adaptive_noprod_reuse_over_dynamic",
+)
+
+
+@pytest.mark.parametrize("mode", ["only", "on"])
+def test_bench_times_the_tiny_gpt(bench, tmp_path: Path, capsys, one_thread, mode: str) -> None:
+    """--gpt only times the tiny GPT alone; --gpt on after the ResNets (here a paired ResNet-20 run), its
+    table appended. Its goal row has the issue's target, 1.05x, and the verdict its median gives; the
+    adaptive steps come in both kinds, with and without attention's betas."""
+    out = tmp_path / "bench.json"
+    argv = ["--quick", "--rounds", "1", "--batch", "2", "--gpt", mode, "--out", str(out)]
+    if mode == "on":
+        argv += ["--configs", "fp16_dynamic,fp16_adaptive_u100"]
+    bench.main(argv)
+    payload = json.loads(out.read_text())
+    gpt = payload["gpt"] if mode == "on" else payload
+    assert set(gpt["ratios"]) == {f"{key}/gpt" for key in GPT_RATIOS}
+    for key in GPT_RATIOS:
+        entry = gpt["ratios"][f"{key}/gpt"]
+        assert math.isfinite(entry["median"]) and entry["median"] > 0, (key, entry)
+    goal = gpt["ratios"]["adaptive_u100_over_dynamic/gpt"]
+    assert goal["target"] == 1.05 and goal["pass"] == (goal["median"] <= 1.05)
+    kinds = set().union(*({(c, k) for k in kinds} for c, kinds in gpt["step_times"][0].items()))
+    for config in ("fp16_adaptive_u100", "fp16_adaptive_u100_noprod"):
+        assert {(config, "recompute"), (config, "reuse")} <= kinds
+    assert ("fp16_dynamic", "plain") in kinds and ("fp16_dynamic_b", "plain") in kinds
+    printed = capsys.readouterr().out
+    assert "### Tiny GPT step-time ratios (model=gpt, batch 2 x 64 tokens" in printed
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in printed.splitlines()]
+    row = next(r for r in rows if r[:2] == [goal["label"], "GPT (tiny)"])
+    assert row[2] == f"{goal['median']:.3f}x" and row[4] == "<= 1.05x"
+    assert row[5] == ("PASS" if goal["pass"] else "over target")
+    if mode == "on":
+        assert payload["ratios"]["adaptive_u100_over_dynamic/resnet20"]["target"] == 1.005
+        assert payload["table_markdown"].index("### Step-time ratios") < payload["table_markdown"].index(
+            "### Tiny GPT"
+        )
+
+
+def test_bench_gpt_and_opcounts_only_exclude_each_other(bench, capsys) -> None:
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--gpt", "only", "--opcounts", "only"])
+    assert "--gpt only and --opcounts only exclude each other" in capsys.readouterr().err
 
 
 def test_bench_replicas_time_every_copy(bench, tmp_path: Path, capsys, one_thread) -> None:

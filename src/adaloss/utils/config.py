@@ -172,6 +172,7 @@ BOOLEAN_FIELDS: tuple[str, ...] = (
     "telemetry.expected_loss_scale",
     "optimizer.nesterov",
     "scaler.allow_below_one",
+    "scaler.product_betas",
     "scaler.consecutive_hysteresis",
     "dataset.download",
     "dataset.augment",
