@@ -1,6 +1,6 @@
 """The tiny GPT on the standard library corpus under FP32 and FP16 loss scalers, over seeds (README table).
 
-    .venv/bin/python scripts/lm_runs.py [--seeds 0,1,2] [--variants fp32,none,dynamic,adaptive] [overrides]
+    .venv/bin/python scripts/lm_runs.py [--seeds 0,1,2] [--variants fp32,none,...] [overrides]
 
 Each run composes the config ``python train.py model=gpt dataset=pystdlib <variant> <overrides>`` uses and
 calls ``adaloss.engine.train`` in this process (folders under ``--out``, default ``results/lm/``). Before it,
@@ -39,6 +39,9 @@ from _common import header_line, machine_info  # noqa: E402
 VARIANTS = {
     "fp32": ["precision=fp32", "scaler=none"],
     "none": ["precision=fp16", "scaler=none"],
+    # 1024: the adaptive recipe's accum_upper_bound on this task (the largest scale it may give a layer),
+    # the same fixed scale as scripts/lm_underflow.py's table
+    "fixed": ["precision=fp16", "scaler=fixed", "scaler.scale=1024"],
     "dynamic": ["precision=fp16", "scaler=dynamic"],
     "adaptive": ["precision=fp16", "scaler=adaptive"],
 }
@@ -134,7 +137,7 @@ def headers(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--variants", default="fp32,none,dynamic,adaptive", help=f"of {', '.join(VARIANTS)}")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"of {', '.join(VARIANTS)}")
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "lm")
     parser.add_argument(
         "--merge", action="store_true", help="keep the other variants' runs from <out>/lm_runs.json"
