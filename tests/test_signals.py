@@ -63,10 +63,15 @@ def test_a_signal_stops_after_the_iteration_with_a_checkpoint_and_the_resume_end
     cfg.paths.output_dir = str(reference_dir)
     reference = train(cfg)
 
-    handler_before = signal.getsignal(signum)
-    with pytest.raises(RunInterrupted) as info:
-        train(make_cfg(*RUN), callbacks=[_send_at(4, signum)])
-    assert signal.getsignal(signum) is handler_before  # the test process's handler is back
+    # The signal's default action, whatever this test process inherited (under nohup SIGHUP is ignored,
+    # and an ignored signal stays ignored: test_a_signal_the_parent_ignores_stays_ignored).
+    inherited = signal.signal(signum, signal.SIG_DFL)
+    try:
+        with pytest.raises(RunInterrupted) as info:
+            train(make_cfg(*RUN), callbacks=[_send_at(4, signum)])
+        assert signal.getsignal(signum) is signal.SIG_DFL  # the test process's handler is back
+    finally:
+        signal.signal(signum, inherited)
     name = signal.Signals(signum).name
     message = str(info.value)
     assert info.value.exit_status == 128 + signum and "\n" not in message
@@ -84,6 +89,20 @@ def test_a_signal_stops_after_the_iteration_with_a_checkpoint_and_the_resume_end
         assert resumed[key] == reference[key], key
     for name in ("telemetry.jsonl", "scalars.csv"):
         assert (tmp_path / name).read_text() == (reference_dir / name).read_text(), name
+
+
+def test_a_signal_the_parent_ignores_stays_ignored(
+    make_cfg: Callable[..., DictConfig], tmp_path: Path
+) -> None:
+    """``nohup python train.py ...`` ignores SIGHUP: the run installs no handler for it and trains on."""
+    inherited = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        metrics = train(make_cfg(*RUN), callbacks=[_send_at(4, signal.SIGHUP)])
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, inherited)
+    assert metrics["steps"] == 8 and (tmp_path / "metrics.json").exists()
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_5.pt"]  # as uninterrupted
 
 
 def test_handlers_installed_before_the_run_get_the_signal_after_the_checkpoint(
