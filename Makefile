@@ -46,7 +46,7 @@ tables: setup ## the paper's tables that have runs, and a summary of every sweep
 figures: setup ## Figures 1a/1b/4a/4b, and underflow and loss-scale figures of every sweep under RUNS -> results/figures
 	$(PY) scripts/make_figures.py $(RUNS) --out results/figures
 
-reproduce-mini: setup ## every experiment in reduced form on bundled data, then all tables and figures (~30 min)
+reproduce-mini: setup ## every experiment in reduced form on bundled data, then all tables and figures (3 seeds, ~1 h)
 	$(PY) scripts/reproduce_mini.py --out results/mini
 
 clean: ## remove the virtual environment and caches

@@ -5,7 +5,7 @@
 
 Each experiment is launched exactly as on a cluster (``python train.py -m experiment=<name> ...``), with
 overrides that swap the paper's data for the bundled data and shrink the runs so that the whole set fits in
-about half an hour on 2 CPU cores:
+about an hour on 2 CPU cores (111 runs with the default 3 seeds):
 
 * classification (Tables 1, 2, 4, Figure 4a): scikit-learn's ``digits`` instead of CIFAR / ImageNet, the
   experiment's model (ResNet-20 for the CIFAR tables, ResNet-18 for ImageNet's), ``--seeds`` (default three:
