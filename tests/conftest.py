@@ -8,9 +8,12 @@ the recipe and only turns W&B and the bar off.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -36,6 +39,19 @@ TINY: tuple[str, ...] = (
     "device=cpu",
     "logger=none",
 )
+
+
+def load_script(name: str) -> ModuleType:
+    """``scripts/<name>.py`` imported as a module (the scripts are entry points, not a package); its folder
+    goes on ``sys.path`` for their shared ``_common`` helpers."""
+    scripts = ROOT / "scripts"
+    if str(scripts) not in sys.path:
+        sys.path.insert(0, str(scripts))
+    spec = importlib.util.spec_from_file_location(f"_adaloss_script_{name}", scripts / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
 
 
 def compose_train(overrides: Sequence[str] = (), return_hydra_config: bool = False) -> DictConfig:

@@ -12,9 +12,6 @@ weight).
 from __future__ import annotations
 
 import copy
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -31,13 +28,9 @@ from adaloss.precision import Precision
 from adaloss.scalers import build_scaler
 from adaloss.scalers.adaptive import AdaptiveLossScaler
 from adaloss.telemetry import UnderflowMonitor
+from conftest import load_script
 
-_spec = importlib.util.spec_from_file_location(
-    "attention_betas", Path(__file__).resolve().parents[1] / "scripts" / "attention_betas.py"
-)
-attention_betas = importlib.util.module_from_spec(_spec)
-sys.modules["attention_betas"] = attention_betas
-_spec.loader.exec_module(attention_betas)
+attention_betas = load_script("attention_betas")
 TinyGPT = attention_betas.TinyGPT
 
 

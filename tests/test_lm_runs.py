@@ -3,24 +3,17 @@ with the machine it was measured on, and refuses a table made with other overrid
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+from conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def lm_runs():
-    if str(SCRIPTS) not in sys.path:
-        sys.path.insert(0, str(SCRIPTS))
-    spec = importlib.util.spec_from_file_location("_adaloss_script_lm_runs", SCRIPTS / "lm_runs.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("lm_runs")
 
 
 def _machine(load: float) -> dict:

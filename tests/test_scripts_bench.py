@@ -8,15 +8,13 @@ table writes rates in [0, 1] for every layer and scaler.
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+from conftest import load_script
 
 #: The ratios bench.py must report for every model, spelled out here so a renamed key fails the test.
 BENCH_RATIOS = (
@@ -41,24 +39,14 @@ TARGETS = {
 }
 
 
-def _load(name: str):
-    if str(SCRIPTS) not in sys.path:
-        sys.path.insert(0, str(SCRIPTS))
-    spec = importlib.util.spec_from_file_location(f"_adaloss_script_{name}", SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def bench():
-    return _load("bench")
+    return load_script("bench")
 
 
 @pytest.fixture(scope="module")
 def underflow():
-    return _load("underflow_table")
+    return load_script("underflow_table")
 
 
 @pytest.fixture
@@ -370,7 +358,7 @@ def test_bench_op_count_switch(bench) -> None:
 
 
 def test_common_helpers() -> None:
-    common = _load("_common")
+    common = load_script("_common")
     assert common.median([3.0, 1.0, 2.0]) == 2.0
     assert common.quantile([1.0, 2.0, 3.0, 4.0], 0.25) == pytest.approx(1.75)
     assert math.isnan(common.median([]))
