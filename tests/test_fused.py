@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -269,3 +270,73 @@ def test_state_dict_after_a_fused_recompute_pass_holds_its_scales():
         expected = ref.state_dict()
     assert saved == expected
     assert any(b is not None and b > 1 for b in saved["betas"])
+
+
+TINY_GPT = OmegaConf.load(Path(__file__).parents[1] / "configs" / "model" / "gpt.yaml")
+
+
+def _train_gpt(scaler, steps: int, record=None) -> list[torch.Tensor]:
+    """``model=gpt`` (4 blocks, width 64, tied head, causal SDPA) on random byte windows in emulated FP16."""
+    torch.manual_seed(0)
+    model = build_model(TINY_GPT, vocab_size=256, block_size=16)
+    if hasattr(scaler, "attach"):
+        model = scaler.attach(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        idx = torch.randint(0, 256, (4, 16), generator=g)
+        with EmulatedAutocast(FP16):
+            loss = F.cross_entropy(model(idx).flatten(0, 1), torch.roll(idx, -1, 1).flatten())
+        if record is not None:
+            record(scaler)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_emulated_linear_layers_take_the_fused_node_bit_for_bit(monkeypatch):
+    """The emulation routes ``linear`` (3-D activations included) to the fused node as it does ``conv2d``:
+    every GEMM of a dynamic GPT's forward pass is one fused node, and it trains to the same weights as
+    with the Python rounding nodes."""
+    calls = []
+    real = fused.gemm
+    monkeypatch.setattr(fused, "gemm", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    model = build_model(TINY_GPT, vocab_size=256, block_size=16)
+    with EmulatedAutocast(FP16):
+        model(torch.randint(0, 256, (2, 16)))
+    # 4 blocks x (qkv, attention out, MLP in, MLP out) + the tied head (F.linear with wte.weight)
+    assert len(calls) == 17 and all(s[:2] == (2, 16) for s in calls)
+    monkeypatch.setattr(fused, "gemm", real)
+    cfg = OmegaConf.create({"name": "dynamic"})
+    fast = _train_gpt(build_scaler(cfg, FP16), 3)
+    with fused.disabled():
+        ref = _train_gpt(build_scaler(cfg, FP16), 3)
+    assert all(torch.equal(a, b) for a, b in zip(fast, ref, strict=True))
+
+
+@pytest.mark.parametrize("product_betas", [True, False])
+def test_gpt_reuse_passes_mix_fused_and_python_nodes_bit_for_bit(product_betas):
+    """The GPT's attention products, tied head and embedding have no fused form: recompute passes run
+    every point in Python, reuse passes build fused nodes for the linear layers beside Python nodes for
+    the rest, all carrying one plan's scales. Same weights and scales as the Python nodes alone."""
+    used, kinds = [], []
+
+    def record(scaler):
+        used.append(scaler.state.fused_built)
+
+    def make():
+        return AdaptiveLossScaler(update_every=3, init_scale=2.0**-10, product_betas=product_betas)
+
+    fast_scaler = make()
+    fast = _train_gpt(fast_scaler, 7, record=record)
+    with fused.disabled():
+        ref_scaler = make()
+        ref = _train_gpt(ref_scaler, 7)
+    assert used == [None, "reuse", "reuse", None, "reuse", "reuse", None]
+    kinds = {type(m).__name__: m.fusable() for m in fast_scaler.state.point_modules}
+    assert kinds["AdaptiveGEMM"] and not all(kinds.values())  # a mixed model
+    scales = fast_scaler.layer_scales()
+    assert scales == ref_scaler.layer_scales() and len(set(scales.values())) > 2
+    assert all(torch.equal(a, b) for a, b in zip(fast, ref, strict=True))

@@ -227,7 +227,8 @@ class AdaptiveState:
         # Set by the transform for the scaler: the parameters whose gradients the backward pass unscales
         # (every parameter of a GEMM point, and the other uses of those), the parameters under GEMM
         # weights (their device and dtype key Algorithm 4's constants), and the modules of the GEMM points
-        # (``fusable()``: whether each has a fused C++ form; all must, for the fused nodes to be used).
+        # (``fusable()``: whether each has a fused C++ form; recompute passes use the fused nodes only if
+        # all have one, reuse passes mix them with Python nodes).
         self.unscaled_params: list[torch.Tensor] = []
         self.gemm_weight_params: list[torch.Tensor] = []
         self.point_modules: list[Any] = []

@@ -28,9 +28,9 @@ are summed in FP32 and rounded once where the branch's producer rounds them.
 
 Cost: one rounding pass per stored tensor (the native kernel of :mod:`adaloss.numerics.native` for FP16 on
 the CPU, else two casts) and a small Python overhead per op call; see ``make bench`` for the measured ratio
-against FP32. With FP16 values and gradients, ``conv2d`` with an FP32 weight skips the per-node Python: the
-weight's, input's and output's rounding nodes and the convolution become one fused C++ node with the same
-values (:func:`adaloss.numerics.fused.gemm`), unless underflow telemetry is on.
+against FP32. With FP16 values and gradients, ``conv2d`` or ``linear`` with an FP32 weight skips the
+per-node Python: the weight's, input's and output's rounding nodes and the GEMM become one fused C++
+node with the same values (:func:`adaloss.numerics.fused.gemm`), unless underflow telemetry is on.
 """
 
 from __future__ import annotations
@@ -217,7 +217,9 @@ _state = threading.local()
 # conv2d as the emulation sees it (nn.Conv2d calls F.conv2d, the same builtin), and the fused layer
 # descriptions by (stride, padding, dilation, groups)
 _CONV2D = {torch.conv2d, torch.nn.functional.conv2d}
-_CONV_SPECS: dict[tuple, Any] = {}
+_CONV_SPECS: dict[Any, Any] = {}
+# linear as the emulation sees it (nn.Linear calls F.linear, which is torch._C._nn.linear)
+_LINEAR = {torch.nn.functional.linear, torch._C._nn.linear}
 
 
 def active_emulation() -> EmulatedAutocast | None:
@@ -462,10 +464,15 @@ class EmulatedAutocast(TorchFunctionMode):
 
         if kind == "gemm":
             probe = self.probe_for(LAYER_NAMES.current)
-            if probe is None and self._fp16 and func in _CONV2D:
-                out = self._fused_conv2d(args, kwargs)
-                if out is not None:
-                    return out
+            if probe is None and self._fp16:
+                if func in _CONV2D:
+                    out = self._fused_conv2d(args, kwargs)
+                    if out is not None:
+                        return out
+                elif func in _LINEAR:
+                    out = self._fused_linear(args, kwargs)
+                    if out is not None:
+                        return out
             if fmt is not None:
                 args = tuple(self._cast_input(a) for a in args)
                 kwargs = {k: self._cast_input(v) for k, v in kwargs.items()}
@@ -554,6 +561,34 @@ class EmulatedAutocast(TorchFunctionMode):
         round_x = not is_low_precision(x)
         out = fused.gemm(x, w, b, spec, round_x, round_x)
         return mark_low_precision(out)
+
+    def _fused_linear(self, args: tuple, kwargs: dict) -> torch.Tensor | None:
+        """``linear`` as one fused C++ node, as :meth:`_fused_conv2d` does for ``conv2d`` (any input rank:
+        a transformer's (batch, tokens, width) activations included). Bit for bit the general path's
+        values; None to take it."""
+        if not fused.enabled():
+            return None
+        names = ("input", "weight", "bias")
+        if len(args) > len(names) or any(k not in names for k in kwargs):
+            return None
+        bound = dict(zip(names, args, strict=False))
+        bound.update(kwargs)
+        x, w, b = bound.get("input"), bound.get("weight"), bound.get("bias")
+        if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor) or w.dim() != 2 or x.dim() < 1:
+            return None
+        tensors = (x, w) if b is None else (x, w, b)
+        for t in tensors:
+            if not isinstance(t, torch.Tensor) or t.dtype is not torch.float32 or not t.is_cpu:
+                return None
+        if is_low_precision(w) or (b is not None and is_low_precision(b)):
+            return None  # already stored in the format: the general path neither rounds it nor its grad
+        spec = _CONV_SPECS.get("linear")
+        if spec is None:
+            spec = _CONV_SPECS["linear"] = fused.gemm_spec({"kind": "linear"})
+            if spec is None:
+                return None
+        round_x = not is_low_precision(x)
+        return mark_low_precision(fused.gemm(x, w, b, spec, round_x, round_x))
 
     def _cast_input(self, a: Any) -> Any:
         if isinstance(a, torch.Tensor):

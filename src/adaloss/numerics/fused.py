@@ -9,10 +9,10 @@ the forward pass; in the backward pass the incoming gradient rounded to FP16 (in
 holds it), the input gradient computed from that gradient scaled by ``beta``, and the weight and bias
 gradients rounded to FP16 and multiplied by ``inv_alpha``. With ``beta = inv_alpha = 1`` that is the
 plain emulated layer every scaler uses (:class:`adaloss.numerics.emulation.EmulatedAutocast` routes
-``conv2d`` here); with a layer's beta and ``1/alpha`` it is the adaptive scaler's layer on a step that
-reuses its scales (:mod:`adaloss.adaptive.ops`). :func:`rescale` is the branch point of such a step:
-Algorithm 5's rescale-and-sum with the factors of the last recompute. Results are bit for bit those of
-the Python nodes (``tests/test_fused.py`` trains with and without).
+``conv2d`` and ``linear`` here); with a layer's beta and ``1/alpha`` it is the adaptive scaler's layer
+on a step that reuses its scales (:mod:`adaloss.adaptive.ops`). :func:`rescale` is the branch point of
+such a step: Algorithm 5's rescale-and-sum with the factors of the last recompute. Results are bit for
+bit those of the Python nodes (``tests/test_fused.py`` trains with and without).
 
 How: the extension includes torch's C++ headers, so it takes about 25 s to compile (once per machine: it
 is cached under ``$ADALOSS_CACHE``, default ``~/.cache/adaloss``, named by a hash of the source, the

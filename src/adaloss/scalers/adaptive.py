@@ -220,7 +220,7 @@ class AdaptiveLossScaler(LossScaler):
         self._init_scale = self._loss_scale
         self.state: AdaptiveState | None = None
         self._gemm_modules: list[nn.Module] = []
-        self._fused_ok: bool | None = None
+        self._fused_ok: str | None = None
         self._iteration = 0
         self._force_recompute = True
         self._recomputing = False
@@ -525,23 +525,35 @@ class AdaptiveLossScaler(LossScaler):
         if state is None:
             return
         state.plan, state.fused_mode = None, None
-        if not self._fusable():
+        fusable = self._fusable()
+        if fusable is None:
             return
         if self._force_recompute or self._iteration % self.update_every == 0:
-            if state.reduce_fn is None:
+            # Fused recompute nodes share one record of the pass's scales, which a Python node cannot
+            # write into: only a model whose every point has a fused form recomputes with them.
+            if state.reduce_fn is None and fusable == "all":
                 state.arm_record()
         elif self.update_every > 1:
+            # A reuse pass's scales are fixed before its forward pass, so fused nodes (carrying theirs as
+            # constants) and Python nodes (reading the same plan's alphas as floats) can mix: a GPT's
+            # conv/linear layers run fused beside its attention products and tied head.
             state.arm_plan(self._loss_scale)
 
-    def _fusable(self) -> bool:
-        """Whether the next forward pass may build fused C++ nodes. The weights are checked first and every
-        time (the model may have moved since ``attach()``), so a model on a GPU never compiles the
-        extension (about 25 s and a C++ toolchain, on every rank)."""
+    def _fusable(self) -> str | None:
+        """Which fused C++ nodes the next forward pass may build: ``"all"`` (every point has a fused form:
+        recompute and reuse passes), ``"some"`` (reuse passes only, beside Python nodes for the other
+        points) or None. The weights are checked first and every time (the model may have moved since
+        ``attach()``), so a model on a GPU never compiles the extension (about 25 s and a C++ toolchain,
+        on every rank)."""
         if self.device_path or not all(w.dtype == torch.float32 and w.is_cpu for w in self._gemm_weights):
-            return False
-        if self._fused_ok is None:  # whether every layer has a fused form: fixed once attached
-            self._fused_ok = fused.available() and all(m.fusable() for m in self._gemm_modules)
-        return self._fused_ok and fused.enabled()
+            return None
+        if self._fused_ok is None:  # which layers have a fused form: fixed once attached
+            forms = [m.fusable() for m in self._gemm_modules]
+            if not any(forms) or not fused.available():
+                self._fused_ok = ""
+            else:
+                self._fused_ok = "all" if all(forms) else "some"
+        return (self._fused_ok or None) if fused.enabled() else None
 
     def _set_loss_scale(self, value: float) -> None:
         super()._set_loss_scale(value)
