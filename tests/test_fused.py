@@ -306,7 +306,7 @@ def test_emulated_linear_layers_take_the_fused_node_bit_for_bit(monkeypatch):
     model = build_model(TINY_GPT, vocab_size=256, block_size=16)
     with EmulatedAutocast(FP16):
         model(torch.randint(0, 256, (2, 16)))
-    # 4 blocks x (qkv, attention out, MLP in, MLP out) + the tied head (F.linear with wte.weight)
+    # 4 blocks x (qkv, attention out, MLP in, MLP out) + the head (lm_head, holding wte.weight)
     assert len(calls) == 17 and all(s[:2] == (2, 16) for s in calls)
     monkeypatch.setattr(fused, "gemm", real)
     cfg = OmegaConf.create({"name": "dynamic"})
@@ -317,14 +317,18 @@ def test_emulated_linear_layers_take_the_fused_node_bit_for_bit(monkeypatch):
 
 
 @pytest.mark.parametrize("product_betas", [True, False])
-def test_gpt_reuse_passes_mix_fused_and_python_nodes_bit_for_bit(product_betas):
-    """The GPT's attention products, tied head and embedding have no fused form: recompute passes run
-    every point in Python, reuse passes build fused nodes for the linear layers beside Python nodes for
-    the rest, all carrying one plan's scales. Same weights and scales as the Python nodes alone."""
-    used, kinds = [], []
+def test_gpt_reuse_passes_mix_fused_and_python_nodes_bit_for_bit(product_betas, monkeypatch):
+    """The GPT's attention products and tied embedding have no fused form: recompute passes run every
+    point in Python, reuse passes build fused nodes for the linear layers and the tied head beside Python
+    nodes for the rest, all carrying one plan's scales. Same weights and scales as the Python nodes
+    alone."""
+    used, calls = [], []
+    real = fused.gemm
+    monkeypatch.setattr(fused, "gemm", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
 
     def record(scaler):
-        used.append(scaler.state.fused_built)
+        used.append((scaler.state.fused_built, len(calls)))
+        calls.clear()
 
     def make():
         return AdaptiveLossScaler(update_every=3, init_scale=2.0**-10, product_betas=product_betas)
@@ -334,9 +338,63 @@ def test_gpt_reuse_passes_mix_fused_and_python_nodes_bit_for_bit(product_betas):
     with fused.disabled():
         ref_scaler = make()
         ref = _train_gpt(ref_scaler, 7)
-    assert used == [None, "reuse", "reuse", None, "reuse", "reuse", None]
+    # fused GEMM nodes per forward pass: none on recompute passes, on reuse passes 4 blocks x 4 layers
+    # and the head; the attention products and the embedding stay Python nodes
+    recompute, reuse = (None, 0), ("reuse", 17)
+    assert used == [recompute, reuse, reuse, recompute, reuse, reuse, recompute]
     kinds = {type(m).__name__: m.fusable() for m in fast_scaler.state.point_modules}
     assert kinds["AdaptiveGEMM"] and not all(kinds.values())  # a mixed model
     scales = fast_scaler.layer_scales()
     assert scales == ref_scaler.layer_scales() and len(set(scales.values())) > 2
+    assert all(torch.equal(a, b) for a, b in zip(fast, ref, strict=True))
+
+
+class _FunctionalNet(torch.nn.Module):
+    """GEMMs called as functions with parameters: ``F.linear(x, self.w1)`` (fused on reuse passes) and
+    ``h @ self.w2`` (a transposed view: stays a Python node), between a layer that has a fused form."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(12, 16)
+        self.w1 = torch.nn.Parameter(torch.randn(24, 16) * 0.2)
+        self.b1 = torch.nn.Parameter(torch.zeros(24))
+        self.w2 = torch.nn.Parameter(torch.randn(24, 5) * 0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        h = torch.relu(F.linear(h, self.w1, self.b1))
+        return h @ self.w2
+
+
+def test_functional_gemms_are_fused_on_reuse_passes_bit_for_bit(monkeypatch):
+    calls = []
+    real = fused.gemm
+    monkeypatch.setattr(fused, "gemm", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
+
+    def run(counts):
+        torch.manual_seed(0)
+        scaler = AdaptiveLossScaler(update_every=3, init_scale=2.0**-10)
+        model = scaler.attach(_FunctionalNet())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(6):
+            x, y = torch.randn(8, 12, generator=g), torch.randint(0, 5, (8,), generator=g)
+            with EmulatedAutocast(FP16):
+                loss = F.cross_entropy(model(x), y)
+            counts.append(sorted(tuple(s) for s in calls))
+            calls.clear()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+        return scaler, [p.detach().clone() for p in model.parameters()]
+
+    counts: list = []
+    fast_scaler, fast = run(counts)
+    with fused.disabled():
+        ref_scaler, ref = run([])
+    # recompute passes (steps 0 and 3) in Python; reuse passes fuse the layer and F.linear, not h @ w2
+    fused_pass = [(16, 12), (24, 16)]
+    assert counts == [[], fused_pass, fused_pass, [], fused_pass, fused_pass]
+    assert fast_scaler.layer_scales() == ref_scaler.layer_scales()
     assert all(torch.equal(a, b) for a, b in zip(fast, ref, strict=True))
