@@ -52,7 +52,7 @@ trainer does on the CPU), so no configuration pays for glibc's malloc giving mem
 faulting it in again every step; without it, which configuration took those faults (up to 1.4 million per
 step) depended on heap layout and moved ratios by several percent. The FP16 rounding and Algorithm 4's
 statistics use the native kernels (:mod:`adaloss.numerics.native`) when they could be built, and every
-configuration's conv layers (and the adaptive scaler's branch points) run as the fused C++ autograd nodes of
+configuration's conv and linear layers (and the adaptive scaler's branch points) run as the fused C++ nodes of
 :mod:`adaloss.numerics.fused` when those could be built; the JSON's settings record all three.
 
 Paired runs: ``--configs fp16_dynamic fp16_adaptive_u100`` measures only those configurations (and reports
