@@ -366,7 +366,24 @@ class _FunctionalNet(torch.nn.Module):
         return h @ self.w2
 
 
-def test_functional_gemms_are_fused_on_reuse_passes_bit_for_bit(monkeypatch):
+def _encoder() -> torch.nn.Module:
+    from test_adaptive_attention import Encoder
+
+    return Encoder()
+
+
+@pytest.mark.parametrize(
+    "make, shape, fused_pass",
+    [
+        # a layer and F.linear with a parameter are fused; h @ w2 (a transposed view) is not
+        (_FunctionalNet, (12,), [(16, 12), (24, 16)]),
+        # nn.TransformerEncoder: nn.MultiheadAttention's packed in-projection (F.linear with the
+        # in_proj_weight parameter) beside the out-projection, feed-forward, input and head layers
+        (_encoder, (5, 8), sorted([(16, 8), (10, 16)] + 2 * [(48, 16), (16, 16), (32, 16), (16, 32)])),
+    ],
+    ids=["functional", "transformer-encoder"],
+)
+def test_functional_gemms_are_fused_on_reuse_passes_bit_for_bit(make, shape, fused_pass, monkeypatch):
     calls = []
     real = fused.gemm
     monkeypatch.setattr(fused, "gemm", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
@@ -374,11 +391,11 @@ def test_functional_gemms_are_fused_on_reuse_passes_bit_for_bit(monkeypatch):
     def run(counts):
         torch.manual_seed(0)
         scaler = AdaptiveLossScaler(update_every=3, init_scale=2.0**-10)
-        model = scaler.attach(_FunctionalNet())
+        model = scaler.attach(make())
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         g = torch.Generator().manual_seed(1)
         for _ in range(6):
-            x, y = torch.randn(8, 12, generator=g), torch.randint(0, 5, (8,), generator=g)
+            x, y = torch.randn(8, *shape, generator=g), torch.randint(0, 5, (8,), generator=g)
             with EmulatedAutocast(FP16):
                 loss = F.cross_entropy(model(x), y)
             counts.append(sorted(tuple(s) for s in calls))
@@ -393,8 +410,7 @@ def test_functional_gemms_are_fused_on_reuse_passes_bit_for_bit(monkeypatch):
     fast_scaler, fast = run(counts)
     with fused.disabled():
         ref_scaler, ref = run([])
-    # recompute passes (steps 0 and 3) in Python; reuse passes fuse the layer and F.linear, not h @ w2
-    fused_pass = [(16, 12), (24, 16)]
+    # recompute passes (steps 0 and 3) in Python; reuse passes fuse what has a fused form
     assert counts == [[], fused_pass, fused_pass, [], fused_pass, fused_pass]
     assert fast_scaler.layer_scales() == ref_scaler.layer_scales()
     assert all(torch.equal(a, b) for a, b in zip(fast, ref, strict=True))
