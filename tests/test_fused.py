@@ -27,19 +27,16 @@ def _half(t: torch.Tensor) -> torch.Tensor:
     return t.half().float()
 
 
-def _train(scaler, steps: int, model_cfg: dict | None = None, batch: int = 8, record=None):
-    torch.manual_seed(0)
-    cfg = model_cfg or {"name": "resnet20", "depth": 20}
-    model = build_model(OmegaConf.create(cfg), 10)
+def _fit(scaler, model, steps: int, batch_and_loss, record=None) -> list[torch.Tensor]:
+    """``steps`` SGD steps in emulated FP16 through ``scaler`` (attached first if it is adaptive);
+    ``batch_and_loss(model, generator)`` draws a batch and returns its loss. Returns the final weights."""
     if hasattr(scaler, "attach"):
         model = scaler.attach(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     g = torch.Generator().manual_seed(1)
     for _ in range(steps):
-        x = torch.randn(batch, 3, 32, 32, generator=g)
-        y = torch.randint(0, 10, (batch,), generator=g)
         with EmulatedAutocast(FP16):
-            loss = F.cross_entropy(model(x), y)
+            loss = batch_and_loss(model, g)
         if record is not None:
             record(scaler)
         scaler.scale(loss).backward()
@@ -47,6 +44,18 @@ def _train(scaler, steps: int, model_cfg: dict | None = None, batch: int = 8, re
         scaler.update()
         opt.zero_grad(set_to_none=True)
     return [p.detach().clone() for p in model.parameters()]
+
+
+def _train(scaler, steps: int, model_cfg: dict | None = None, batch: int = 8, record=None):
+    torch.manual_seed(0)
+    model = build_model(OmegaConf.create(model_cfg or {"name": "resnet20", "depth": 20}), 10)
+
+    def batch_and_loss(model, g):
+        x = torch.randn(batch, 3, 32, 32, generator=g)
+        y = torch.randint(0, 10, (batch,), generator=g)
+        return F.cross_entropy(model(x), y)
+
+    return _fit(scaler, model, steps, batch_and_loss, record)
 
 
 def test_gemm_node_equals_rounding_by_hand():
@@ -279,21 +288,12 @@ def _train_gpt(scaler, steps: int, record=None) -> list[torch.Tensor]:
     """``model=gpt`` (4 blocks, width 64, tied head, causal SDPA) on random byte windows in emulated FP16."""
     torch.manual_seed(0)
     model = build_model(TINY_GPT, vocab_size=256, block_size=16)
-    if hasattr(scaler, "attach"):
-        model = scaler.attach(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    g = torch.Generator().manual_seed(1)
-    for _ in range(steps):
+
+    def batch_and_loss(model, g):
         idx = torch.randint(0, 256, (4, 16), generator=g)
-        with EmulatedAutocast(FP16):
-            loss = F.cross_entropy(model(idx).flatten(0, 1), torch.roll(idx, -1, 1).flatten())
-        if record is not None:
-            record(scaler)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad(set_to_none=True)
-    return [p.detach().clone() for p in model.parameters()]
+        return F.cross_entropy(model(idx).flatten(0, 1), torch.roll(idx, -1, 1).flatten())
+
+    return _fit(scaler, model, steps, batch_and_loss, record)
 
 
 def test_emulated_linear_layers_take_the_fused_node_bit_for_bit(monkeypatch):
@@ -388,23 +388,19 @@ def test_functional_gemms_are_fused_on_reuse_passes_bit_for_bit(make, shape, fus
     real = fused.gemm
     monkeypatch.setattr(fused, "gemm", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
 
+    def batch_and_loss(model, g):
+        x, y = torch.randn(8, *shape, generator=g), torch.randint(0, 5, (8,), generator=g)
+        return F.cross_entropy(model(x), y)
+
     def run(counts):
         torch.manual_seed(0)
         scaler = AdaptiveLossScaler(update_every=3, init_scale=2.0**-10)
-        model = scaler.attach(make())
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        g = torch.Generator().manual_seed(1)
-        for _ in range(6):
-            x, y = torch.randn(8, *shape, generator=g), torch.randint(0, 5, (8,), generator=g)
-            with EmulatedAutocast(FP16):
-                loss = F.cross_entropy(model(x), y)
+
+        def record(scaler):
             counts.append(sorted(tuple(s) for s in calls))
             calls.clear()
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad(set_to_none=True)
-        return scaler, [p.detach().clone() for p in model.parameters()]
+
+        return scaler, _fit(scaler, make(), 6, batch_and_loss, record)
 
     counts: list = []
     fast_scaler, fast = run(counts)

@@ -222,6 +222,30 @@ _CONV_SPECS: dict[Any, Any] = {}
 _LINEAR = {torch.nn.functional.linear, torch._C._nn.linear}
 
 
+def _fusable_gemm_call(
+    names: tuple[str, ...], args: tuple, kwargs: dict, x_dim: int | None = None, w_dim: int | None = None
+) -> dict[str, Any] | None:
+    """The arguments of a ``conv2d``/``linear`` call by name (``names``: the op's signature), or None
+    when the fused node does not apply: fused nodes off, an unknown argument, an input or weight of
+    another rank, a tensor that is not float32 on the CPU, or a weight or bias already stored in the
+    format (the general path neither rounds it nor its gradient)."""
+    if not fused.enabled() or len(args) > len(names) or any(k not in names for k in kwargs):
+        return None
+    bound = dict(zip(names, args, strict=False))
+    bound.update(kwargs)
+    x, w, b = bound.get("input"), bound.get("weight"), bound.get("bias")
+    if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor):
+        return None
+    if (x_dim is not None and x.dim() != x_dim) or (w_dim is not None and w.dim() != w_dim):
+        return None
+    for t in (x, w) if b is None else (x, w, b):
+        if not isinstance(t, torch.Tensor) or t.dtype is not torch.float32 or not t.is_cpu:
+            return None
+    if is_low_precision(w) or (b is not None and is_low_precision(b)):
+        return None
+    return bound
+
+
 def active_emulation() -> EmulatedAutocast | None:
     """The innermost active :class:`EmulatedAutocast`, or None. Used by ops that do their own rounding."""
     stack = getattr(_state, "stack", None)
@@ -533,22 +557,12 @@ class EmulatedAutocast(TorchFunctionMode):
         storage and gradients, float32 CPU tensors, FP32 weight and bias (rounded here, as
         ``_cast_input`` would) and numeric padding. The same values as the Python nodes, bit for bit;
         None to take the general path."""
-        if not fused.enabled():
+        bound = _fusable_gemm_call(
+            ("input", "weight", "bias", "stride", "padding", "dilation", "groups"), args, kwargs, x_dim=4
+        )
+        if bound is None:
             return None
-        names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
-        if len(args) > len(names) or any(k not in names for k in kwargs):
-            return None
-        bound = dict(zip(names, args, strict=False))
-        bound.update(kwargs)
-        x, w, b = bound.get("input"), bound.get("weight"), bound.get("bias")
-        if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor) or x.dim() != 4:
-            return None
-        tensors = (x, w) if b is None else (x, w, b)
-        for t in tensors:
-            if not isinstance(t, torch.Tensor) or t.dtype is not torch.float32 or not t.is_cpu:
-                return None
-        if is_low_precision(w) or (b is not None and is_low_precision(b)):
-            return None  # already stored in the format: the general path neither rounds it nor its grad
+        x, w, b = bound["input"], bound["weight"], bound.get("bias")
         defaults = (("stride", 1), ("padding", 0), ("dilation", 1), ("groups", 1))
         key = tuple(tuple(v) if isinstance(v, list) else v for v in (bound.get(k, d) for k, d in defaults))
         spec = _CONV_SPECS.get(key)
@@ -566,22 +580,10 @@ class EmulatedAutocast(TorchFunctionMode):
         """``linear`` as one fused C++ node, as :meth:`_fused_conv2d` does for ``conv2d`` (any input rank:
         a transformer's (batch, tokens, width) activations included). Bit for bit the general path's
         values; None to take it."""
-        if not fused.enabled():
+        bound = _fusable_gemm_call(("input", "weight", "bias"), args, kwargs, w_dim=2)
+        if bound is None:
             return None
-        names = ("input", "weight", "bias")
-        if len(args) > len(names) or any(k not in names for k in kwargs):
-            return None
-        bound = dict(zip(names, args, strict=False))
-        bound.update(kwargs)
-        x, w, b = bound.get("input"), bound.get("weight"), bound.get("bias")
-        if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor) or w.dim() != 2 or x.dim() < 1:
-            return None
-        tensors = (x, w) if b is None else (x, w, b)
-        for t in tensors:
-            if not isinstance(t, torch.Tensor) or t.dtype is not torch.float32 or not t.is_cpu:
-                return None
-        if is_low_precision(w) or (b is not None and is_low_precision(b)):
-            return None  # already stored in the format: the general path neither rounds it nor its grad
+        x, w, b = bound["input"], bound["weight"], bound.get("bias")
         spec = _CONV_SPECS.get("linear")
         if spec is None:
             spec = _CONV_SPECS["linear"] = fused.gemm_spec({"kind": "linear"})
