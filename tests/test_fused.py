@@ -372,6 +372,18 @@ def _encoder() -> torch.nn.Module:
     return Encoder()
 
 
+def _swin() -> torch.nn.Module:
+    from test_adaptive_attention import _swin
+
+    return _swin((2, 1))  # the second block of stage one shifts its windows
+
+
+def _swin_v2() -> torch.nn.Module:
+    from test_adaptive_attention import _swin_v2
+
+    return _swin_v2()
+
+
 @pytest.mark.parametrize(
     "make, shape, fused_pass",
     [
@@ -380,10 +392,17 @@ def _encoder() -> torch.nn.Module:
         # nn.TransformerEncoder: nn.MultiheadAttention's packed in-projection (F.linear with the
         # in_proj_weight parameter) beside the out-projection, feed-forward, input and head layers
         (_encoder, (5, 8), sorted([(16, 8), (10, 16)] + 2 * [(48, 16), (16, 16), (32, 16), (16, 32)])),
+        # Swin: the qkv and output projections inside torchvision's wrapped attention function (LeafGEMMs)
+        # beside the layers; None: every GEMM point of the model
+        (_swin, (3, 16, 16), None),
+        (_swin_v2, (3, 16, 16), None),
     ],
-    ids=["functional", "transformer-encoder"],
+    ids=["functional", "transformer-encoder", "swin", "swin-v2"],
 )
 def test_functional_gemms_are_fused_on_reuse_passes_bit_for_bit(make, shape, fused_pass, monkeypatch):
+    """GEMMs whose weight is a graph value (``F.linear``/``F.conv*`` with a parameter, the GEMMs inside a
+    wrapped attention function) are fused nodes on reuse passes, as layers are: same weights and scales
+    as the Python nodes, bit for bit."""
     calls = []
     real = fused.gemm
     monkeypatch.setattr(fused, "gemm", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
@@ -406,6 +425,10 @@ def test_functional_gemms_are_fused_on_reuse_passes_bit_for_bit(make, shape, fus
     fast_scaler, fast = run(counts)
     with fused.disabled():
         ref_scaler, ref = run([])
+    if fused_pass is None:
+        fused_pass = counts[1]
+        assert len(fused_pass) == len(fast_scaler.state.gemms)
+        assert any(type(m).__name__ == "LeafGEMMs" for m in fast_scaler.state.point_modules)
     # recompute passes (steps 0 and 3) in Python; reuse passes fuse what has a fused form
     assert counts == [[], fused_pass, fused_pass, [], fused_pass, fused_pass]
     assert fast_scaler.layer_scales() == ref_scaler.layer_scales()

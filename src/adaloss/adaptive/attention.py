@@ -54,8 +54,11 @@ from adaloss.adaptive.ops import (
     MatmulOperands,
     ScaledGEMM,
     ScaledProduct,
+    contiguous,
+    fused_gemm,
 )
 from adaloss.errors import ConfigError
+from adaloss.numerics import fused
 from adaloss.numerics.emulation import active_emulation, is_low_precision, round_value
 
 __all__ = [
@@ -696,7 +699,7 @@ LEAF_GEMMS: dict[Callable, dict[str, Any]] = {
 class LeafGEMMs(nn.Module):
     """A call of a :data:`LEAF_GEMMS` function whose ``F.linear`` calls with the listed weights are GEMM
     points: the function runs unchanged under a torch-function mode that routes each such call to
-    :class:`ScaledGEMM` (Algorithm 4, the weight gradient unscaled by its own alpha) and names its
+    :meth:`gemm` (Algorithm 4, the weight gradient unscaled by its own alpha) and names its
     activation products for telemetry. Alpha wiring (static, set by the transform): the last GEMM reads
     the alpha of the call's output gradient, each earlier one the alpha the next one emits.
     Cost: the mode adds a Python round trip to each op inside the function (a few dozen per call)."""
@@ -711,6 +714,7 @@ class LeafGEMMs(nn.Module):
         self.name = name
         object.__setattr__(self, "state", state)
         self.signature = inspect.signature(fn)
+        self._fused_spec: Any = None  # the C++ linear description, made on first use (False: unsupported)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         bound = self.signature.bind(*args, **kwargs)
@@ -733,6 +737,15 @@ class LeafGEMMs(nn.Module):
         return out
 
     def gemm(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, k: int) -> torch.Tensor:
+        """GEMM point ``k``: a fused C++ node on reuse passes in emulated FP16 (the plan's constants, as
+        for a layer), else :class:`ScaledGEMM` and :class:`GradRound`."""
+        state = self.state
+        if state.fused_mode == "reuse" and torch.is_grad_enabled() and fused.enabled() and contiguous(w):
+            if self._fused_spec is None:
+                self._fused_spec = fused.gemm_spec({"kind": "linear"}) or False
+            y = fused_gemm(state, x, w, b, self._fused_spec, k)
+            if y is not None:
+                return y
         point = self.state.gemms[k]
         y = ScaledGEMM.apply(x, w, b, point, self.state, {"kind": "linear"}, torch.is_grad_enabled())
         return GradRound.wrap(y, point, self.state)

@@ -71,7 +71,7 @@ from adaloss.adaptive.rules import (
     grad_stats,
     weight_factors,
 )
-from adaloss.numerics import native
+from adaloss.numerics import fused, native
 from adaloss.numerics.emulation import active_emulation, is_low_precision, mark_low_precision
 from adaloss.numerics.formats import round_to_format
 
@@ -182,6 +182,62 @@ class GradSignature:
             if state.reduce_fn is None:
                 state.arm_record()
         return None
+
+
+def contiguous(t: torch.Tensor) -> bool:
+    """``t.is_contiguous()`` without a round trip through the torch-function modes."""
+    with torch._C.DisableTorchFunction():
+        return t.is_contiguous()
+
+
+def fused_gemm(
+    state: AdaptiveState,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    spec: Any,
+    point_index: int,
+) -> torch.Tensor | None:
+    """In emulated FP16 on the CPU, a GEMM point as one fused C++ node (:func:`adaloss.numerics.fused.gemm`)
+    with the values of ScaledGEMM + GradRound bit for bit: on a reuse pass it carries the plan's beta
+    and 1/alpha, on a recompute pass it computes them into the state's record. None when that does not
+    apply (no FP16 emulation, underflow telemetry on, no fused form (``spec`` False), or on a reuse pass
+    inputs that are not float32 CPU tensors)."""
+    emu = active_emulation()
+    if emu is None or not emu._fp16 or emu.monitor is not None or spec is False or spec is None:
+        return None
+    with torch._C.DisableTorchFunction():  # plain attribute reads, not a round trip through the mode
+        ok = x.dtype is torch.float32 and x.is_cpu and weight.dtype is torch.float32 and weight.is_cpu
+        round_x = not is_low_precision(x)
+        if state.fused_mode == "reuse":
+            if not ok:
+                return None
+            entry = state.plan.gemm[point_index]  # type: ignore[union-attr]
+            if entry is None:  # no gradient reached this point in the last recompute pass
+                if x.requires_grad or any(p is not None and p.requires_grad for p in (weight, bias)):
+                    raise unplanned_point(state.gemms[point_index].name)
+                entry = (1.0, 1.0)  # no node is recorded: nothing requires a gradient
+            beta, inv_alpha = entry
+            y = fused.gemm(x, weight, bias, spec, round_x, False, beta, inv_alpha)
+        else:
+            if not ok:  # the other points share the record: no Python node may join them
+                raise RuntimeError(
+                    f"adaptive loss scaling: layer {state.gemms[point_index].name} got a {x.dtype} "
+                    f"{x.device.type} input in emulated FP16; set ADALOSS_FUSED=0 to use the Python nodes"
+                )
+            y = fused.gemm(
+                x,
+                weight,
+                bias,
+                spec,
+                round_x,
+                False,
+                record=state.record,
+                where=state.record_where["gemm"][point_index],
+                consts=state.record_where["gemm_consts"][point_index],
+            )
+    state.fused_built = state.fused_mode
+    return mark_low_precision(y)
 
 
 @dataclass

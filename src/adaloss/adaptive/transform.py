@@ -61,6 +61,8 @@ from adaloss.adaptive.ops import (
     Rescale,
     ScaledGEMM,
     UnscalePoint,
+    contiguous,
+    fused_gemm,
     unplanned_point,
 )
 from adaloss.adaptive.rules import backward_fan_in
@@ -147,65 +149,10 @@ class AdaptiveGEMM(nn.Module):
     def _fused(self, x: torch.Tensor, point_index: int) -> torch.Tensor | None:
         if not self.fusable():
             return None
-        return _fused_gemm(self.state, x, self.weight, self.bias, self._fused_spec, point_index)
+        return fused_gemm(self.state, x, self.weight, self.bias, self._fused_spec, point_index)
 
     def extra_repr(self) -> str:
         return f"{self.layer_type}({self.layer.extra_repr()}), adaptive loss scaling"
-
-
-def _contiguous(t: torch.Tensor) -> bool:
-    with torch._C.DisableTorchFunction():
-        return t.is_contiguous()
-
-
-def _fused_gemm(
-    state: AdaptiveState,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    spec: Any,
-    point_index: int,
-) -> torch.Tensor | None:
-    """In emulated FP16 on the CPU, a GEMM point as one fused C++ node (:func:`adaloss.numerics.fused.gemm`)
-    with the values of ScaledGEMM + GradRound bit for bit: on a reuse pass it carries the plan's beta
-    and 1/alpha, on a recompute pass it computes them into the state's record. None when that does not
-    apply (no FP16 emulation, underflow telemetry on, no fused form (``spec`` False), or on a reuse pass
-    inputs that are not float32 CPU tensors)."""
-    emu = active_emulation()
-    if emu is None or not emu._fp16 or emu.monitor is not None or spec is False or spec is None:
-        return None
-    with torch._C.DisableTorchFunction():  # plain attribute reads, not a round trip through the mode
-        ok = x.dtype is torch.float32 and x.is_cpu and weight.dtype is torch.float32 and weight.is_cpu
-        round_x = not is_low_precision(x)
-        if state.fused_mode == "reuse":
-            if not ok:
-                return None
-            entry = state.plan.gemm[point_index]  # type: ignore[union-attr]
-            if entry is None:  # no gradient reached this point in the last recompute pass
-                if x.requires_grad or any(p is not None and p.requires_grad for p in (weight, bias)):
-                    raise unplanned_point(state.gemms[point_index].name)
-                entry = (1.0, 1.0)  # no node is recorded: nothing requires a gradient
-            beta, inv_alpha = entry
-            y = fused.gemm(x, weight, bias, spec, round_x, False, beta, inv_alpha)
-        else:
-            if not ok:  # the other points share the record: no Python node may join them
-                raise RuntimeError(
-                    f"adaptive loss scaling: layer {state.gemms[point_index].name} got a {x.dtype} "
-                    f"{x.device.type} input in emulated FP16; set ADALOSS_FUSED=0 to use the Python nodes"
-                )
-            y = fused.gemm(
-                x,
-                weight,
-                bias,
-                spec,
-                round_x,
-                False,
-                record=state.record,
-                where=state.record_where["gemm"][point_index],
-                consts=state.record_where["gemm_consts"][point_index],
-            )
-    state.fused_built = state.fused_mode
-    return mark_low_precision(y)
 
 
 class BranchModule(nn.Module):
@@ -289,15 +236,10 @@ class FunctionalGEMM(nn.Module):
     ) -> torch.Tensor:
         state = self.state
         # (a transposed view, from ``x @ W``, stays in Python: the C++ rounding takes contiguous tensors)
-        if (
-            state.fused_mode == "reuse"
-            and torch.is_grad_enabled()
-            and fused.enabled()
-            and _contiguous(weight)
-        ):
+        if state.fused_mode == "reuse" and torch.is_grad_enabled() and fused.enabled() and contiguous(weight):
             if self._fused_spec is None:
                 self._fused_spec = fused.gemm_spec(self.spec) or False
-            y = _fused_gemm(state, x, weight, bias, self._fused_spec, point_index)
+            y = fused_gemm(state, x, weight, bias, self._fused_spec, point_index)
             if y is not None:
                 return y
         point = self.state.gemms[point_index]
