@@ -54,6 +54,22 @@ def load_script(name: str) -> ModuleType:
     return module
 
 
+def slow_train_command(seconds: float) -> list[str]:
+    """The command that runs ``train.py`` (append its overrides) with every SGD step sleeping ``seconds``
+    first, so that a run lasts while a test signals it or starts another; it changes no number."""
+    code = (
+        "import runpy, sys, time, torch\n"
+        "_step = torch.optim.SGD.step\n"
+        "def _slow_step(self, *args, **kwargs):\n"
+        f"    time.sleep({seconds!r})\n"
+        "    return _step(self, *args, **kwargs)\n"
+        "torch.optim.SGD.step = _slow_step\n"
+        "sys.argv[0] = 'train.py'\n"
+        "runpy.run_path('train.py', run_name='__main__')\n"
+    )
+    return [sys.executable, "-c", code]
+
+
 def compose_train(overrides: Sequence[str] = (), return_hydra_config: bool = False) -> DictConfig:
     """``configs/train.yaml`` composed with ``overrides``, exactly as ``python train.py`` would."""
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):

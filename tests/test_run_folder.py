@@ -25,6 +25,7 @@ from omegaconf import DictConfig
 from adaloss.engine import train
 from adaloss.engine.run_folder import LOCK_FILE, RunFolderBusy, RunLock
 from adaloss.errors import ConfigError
+from conftest import slow_train_command
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -103,24 +104,13 @@ def test_an_unwritable_run_folder_is_a_config_error(tmp_path: Path, monkeypatch:
 RUN = ("dataset=digits", "dataset.image_size=8", "trainer.batch_size=32", "trainer.max_steps=150",
        "trainer.eval_every=50", "trainer.checkpoint_every=20", "trainer.log_every=1", "telemetry.every=10",
        "trainer.progress_bar=false", "device=cpu", "logger=none", "model=mlp", "resume=auto")  # fmt: skip
-#: Each iteration of the child sleeps 0.2 s in SGD's step: the run lasts while the others start.
-SLOW = """
-import time, torch
-_step = torch.optim.SGD.step
-def _slow_step(self, *args, **kwargs):
-    time.sleep(0.2)
-    return _step(self, *args, **kwargs)
-torch.optim.SGD.step = _slow_step
-import runpy, sys
-sys.argv[0] = "train.py"
-runpy.run_path("train.py", run_name="__main__")
-"""
 
 
 def _cli(run_dir: Path, slow: bool = False) -> subprocess.Popen[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
     env.pop("HYDRA_FULL_ERROR", None)
-    start = [sys.executable, "-c", SLOW] if slow else [sys.executable, "train.py"]
+    # each iteration of a slow child sleeps 0.2 s in SGD's step: the run lasts while the others start
+    start = slow_train_command(0.2) if slow else [sys.executable, "train.py"]
     return subprocess.Popen(
         [*start, *RUN, f"hydra.run.dir={run_dir}"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -25,6 +25,7 @@ from omegaconf import DictConfig
 
 from adaloss.engine import train
 from adaloss.engine.signals import RunInterrupted
+from conftest import slow_train_command
 
 ROOT = Path(__file__).resolve().parents[1]
 SIGNALS = [signal.SIGTERM, signal.SIGINT, signal.SIGUSR2, signal.SIGHUP]
@@ -140,25 +141,15 @@ CLI_RUN = ("dataset=digits", "dataset.image_size=8", "trainer.batch_size=32", "t
            "trainer.eval_every=50", "trainer.checkpoint_every=40", "trainer.log_every=1", "telemetry.every=7",
            "trainer.save_final=true", "trainer.progress_bar=false", "device=cpu", "logger=none", "model=mlp",
            "scaler=dynamic", "scaler.growth_interval=8")  # fmt: skip
-#: Makes each iteration of the child last at least 20 ms (an SGD step that sleeps first), so that a signal
-#: sent after the first logged rows surely arrives mid-run; it changes no number.
-SLOW = """
-import time, torch
-_step = torch.optim.SGD.step
-def _slow_step(self, *args, **kwargs):
-    time.sleep(0.02)
-    return _step(self, *args, **kwargs)
-torch.optim.SGD.step = _slow_step
-"""
 
 
-def _cli(run_dir: Path, *overrides: str, prelude: str = "") -> subprocess.Popen[str]:
+def _cli(run_dir: Path, *overrides: str, step_sleep: float = 0.0) -> subprocess.Popen[str]:
+    """``train.py`` in a child process; ``step_sleep`` > 0 makes each iteration last at least that long
+    (SGD's step sleeps first), so that a signal sent after the first logged rows surely arrives mid-run."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
     env.pop("HYDRA_FULL_ERROR", None)
-    command = [sys.executable, "train.py", *overrides, f"hydra.run.dir={run_dir}"]
-    if prelude:
-        start = "import runpy, sys\nsys.argv[0] = 'train.py'\nrunpy.run_path('train.py', run_name='__main__')"
-        command = [sys.executable, "-c", f"{prelude}\n{start}", *command[2:]]
+    start = slow_train_command(step_sleep) if step_sleep else [sys.executable, "train.py"]
+    command = [*start, *overrides, f"hydra.run.dir={run_dir}"]
     return subprocess.Popen(
         command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -221,7 +212,7 @@ def test_sigterm_on_the_command_line_saves_prints_one_line_and_the_printed_comma
 ) -> None:
     reference_dir, run_dir = tmp_path / "reference", tmp_path / "run"
     reference = _cli(reference_dir, *CLI_RUN)  # alongside the one that is stopped
-    victim = _cli(run_dir, *CLI_RUN, prelude=SLOW)
+    victim = _cli(run_dir, *CLI_RUN, step_sleep=0.02)
     _signal(victim, signal.SIGTERM, run_dir)
     command = _stopped(victim, signal.SIGTERM, run_dir)
     out, _ = reference.communicate(timeout=300)
@@ -235,7 +226,7 @@ def test_every_stop_signal_on_the_command_line(tmp_path: Path) -> None:
     reference_dir = tmp_path / "reference"
     reference = _cli(reference_dir, *CLI_RUN)
     others = [signal.SIGINT, signal.SIGUSR2, signal.SIGHUP]
-    victims = {s: _cli(tmp_path / signal.Signals(s).name, *CLI_RUN, prelude=SLOW) for s in others}
+    victims = {s: _cli(tmp_path / signal.Signals(s).name, *CLI_RUN, step_sleep=0.02) for s in others}
     for signum, proc in victims.items():
         _signal(proc, signum, tmp_path / signal.Signals(signum).name)
     commands = {s: _stopped(p, s, tmp_path / signal.Signals(s).name) for s, p in victims.items()}
@@ -247,7 +238,7 @@ def test_every_stop_signal_on_the_command_line(tmp_path: Path) -> None:
 
 def test_a_second_ctrl_c_stops_at_once_with_one_line(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    proc = _cli(run_dir, *CLI_RUN, prelude=SLOW.replace("0.02", "0.5"))  # half a second per iteration
+    proc = _cli(run_dir, *CLI_RUN, step_sleep=0.5)  # half a second per iteration
     _wait_for_rows(proc, run_dir, 1)
     proc.send_signal(signal.SIGINT)
     time.sleep(0.1)
