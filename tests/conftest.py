@@ -124,12 +124,11 @@ def cfg_tiny(make_cfg: Callable[..., DictConfig]) -> DictConfig:
 
 # --------------------------------------------------------------------- were the native paths tested?
 
-#: The native FP16 kernels (``numerics/_fast.c``) and the fused C++ autograd nodes (``numerics/_fused.cpp``)
-#: are built on first use; without a C / C++ compiler, on a CPU without F16C, or with ``ADALOSS_NATIVE=0``
-#: or ``ADALOSS_FUSED=0``, their tests skip (``tests/test_native.py`` and ``tests/test_fused.py`` as whole
-#: modules, parts of ``tests/test_adaptive.py``), with a reason starting with these prefixes.
-NATIVE_PATHS = {"native FP16 kernels": "native kernels:", "fused C++ nodes": "fused nodes:"}
-NATIVE_MODULES = {"native FP16 kernels": "test_native.py", "fused C++ nodes": "test_fused.py"}
+#: The native FP16 rounding kernel (``numerics/_fast.c``) is built on first use; without a C compiler, on a
+#: CPU without F16C, or with ``ADALOSS_NATIVE=0``, its tests (``tests/test_native.py``) skip with a reason
+#: starting with this prefix.
+NATIVE_PATHS = {"native FP16 kernels": "native kernels:"}
+NATIVE_MODULES = {"native FP16 kernels": "test_native.py"}
 
 #: ``ADALOSS_REQUIRE_NATIVE=1`` (which ``.ci/run`` sets), or a set ``CI`` variable (as CI services set it),
 #: turns those skips into errors: on a CI machine the native paths are expected, and a green run that never
@@ -140,7 +139,7 @@ _native_counts: dict[str, dict[str, Any]] = {name: {"passed": 0, "skipped": {}} 
 
 
 def native_required() -> bool:
-    """Whether a skipped native or fused path fails the run (see ``REQUIRE_NATIVE_ENV``)."""
+    """Whether a skipped native path fails the run (see ``REQUIRE_NATIVE_ENV``)."""
     off = ("", "0", "false", "no", "off")
     flag = os.environ.get(REQUIRE_NATIVE_ENV)
     if flag is not None and flag.strip() != "":
@@ -168,8 +167,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
                     report.outcome = "failed"
                     report.longrepr = (
                         f"the {name} are required ({REQUIRE_NATIVE_ENV}=1 or CI is set) but unavailable: "
-                        f"{reason.removeprefix(prefix).strip()}; make them available (a C/C++ compiler, an "
-                        "x86-64 CPU with F16C, ADALOSS_NATIVE and ADALOSS_FUSED unset) or set "
+                        f"{reason.removeprefix(prefix).strip()}; make them available (a C compiler, an "
+                        "x86-64 CPU with F16C, ADALOSS_NATIVE unset) or set "
                         f"{REQUIRE_NATIVE_ENV}=0 to let these tests skip"
                     )
     elif report.when == "call" and report.passed:

@@ -92,7 +92,7 @@ def trapped_steps(scaler, model, optimizer, precision, batches, loss_fn) -> list
         with no_host_sync() as mode:
             scaled.backward()
         assert mode.seen > 100, "the trap saw almost no ops: was the backward pass run inside it?"
-        kinds.append((scaler.state.recompute, scaler.state.host))
+        kinds.append((scaler.state.recompute, scaler.state.host is not None))
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad()

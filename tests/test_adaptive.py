@@ -14,7 +14,6 @@ from adaloss.adaptive import (
     ScaleRule,
     backward_fan_in,
     branch_loss_scale,
-    branch_loss_scale_host,
     gemm_loss_scale,
 )
 from adaloss.errors import ConfigError
@@ -170,15 +169,9 @@ def test_branch_loss_scale_follows_algorithm_5():
     assert branch_loss_scale(alphas, tight * 2, u_max, "reference").item() == 2.0  # 120000 / 2 = 60000 fits
     # input 0 unscaled is 1.2e6 / 4 = 3e5: 0.25 * 3e5 = 75000 overflows, 0.125 * 3e5 = 37500 fits
     assert branch_loss_scale(alphas, tight * 20, u_max, "reference").item() == 0.125
-    for maxima in (
-        tight * 2,
-        tight * 20,
-        torch.tensor([1.0, math.inf, 1.0]),
-        torch.tensor([math.nan, 1.0, 1.0]),
-    ):
-        for rule in ("paper", "reference"):
-            host = branch_loss_scale_host(alphas.tolist(), maxima.tolist(), u_max, rule)
-            assert host == branch_loss_scale(alphas, maxima, u_max, rule).item(), (maxima, rule)
+    # a NaN gradient: nothing fits either
+    for rule in ("paper", "reference"):
+        assert branch_loss_scale(alphas, torch.tensor([math.nan, 1.0, 1.0]), u_max, rule).item() == 4.0
 
 
 # ----------------------------------------------------------------------------------------- exactness
@@ -250,6 +243,9 @@ def test_unscaled_gradients_equal_plain_backprop_in_float64(case, rule):
     loss = nn.functional.cross_entropy(attached(x), y) * loss_factor
     scaler.scale(loss).backward()
     optimizer = torch.optim.SGD(attached.parameters(), lr=0.1)
+    # as under GradScaler, every parameter gradient leaves the backward pass carrying get_scale()
+    root = scaler.get_scale()
+    before = {name: p.grad.clone() for name, p in attached.named_parameters()}
     scaler.unscale_(optimizer)
 
     names = dict(attached.named_parameters())
@@ -258,6 +254,7 @@ def test_unscaled_gradients_equal_plain_backprop_in_float64(case, rule):
         denom = ref.grad.abs().max()
         assert denom > 0, name
         assert ((got - ref.grad).abs().max() / denom).item() <= 1e-10, name
+        assert torch.equal(before[name], got * root), name
 
     alphas = scaler.layer_scales()
     above_one = {a for a in alphas.values() if a > 1}
@@ -294,9 +291,7 @@ def test_reuse_steps_with_host_copies_give_plain_backprop_gradients_in_float64(c
         y = torch.randint(0, 10, (shape[0],), generator=g)
         reference.zero_grad()
         (nn.functional.cross_entropy(reference(x), y) * loss_factor).backward()
-        scaled = scaler.scale(nn.functional.cross_entropy(attached(x), y) * loss_factor)
-        assert (scaler.state.recompute, scaler.state.host) == ((True, False) if step == 0 else (False, True))
-        scaled.backward()
+        scaler.scale(nn.functional.cross_entropy(attached(x), y) * loss_factor).backward()
         scaler.unscale_(opt)
         _assert_grads_match(reference, attached)
         scales = scaler.layer_scales()
@@ -410,18 +405,17 @@ def _train_steps(scaler, model, steps, inject_inf_at=(), seed=0, precision=None,
 def test_overflow_skips_step_and_recomputes_scales(monkeypatch):
     from adaloss.adaptive import ops
 
-    # Which iterations recompute the betas: every beta comes from gemm_loss_scale (device path) or
-    # native.beta_host (host recompute pass), called once per layer on a recompute iteration only.
+    # Which iterations recompute the betas: every beta comes from gemm_loss_scale, called once per layer
+    # on a recompute iteration only.
     recomputed, iteration = [], [0]
     scaler = AdaptiveLossScaler(update_every=100)
-    for owner, name in ((ops, "gemm_loss_scale"), (ops.native, "beta_host")):
-        original = getattr(owner, name)
+    original = ops.gemm_loss_scale
 
-        def counting(*args, _original=original, **kwargs):
-            recomputed.append(iteration[0])
-            return _original(*args, **kwargs)
+    def counting(*args, **kwargs):
+        recomputed.append(iteration[0])
+        return original(*args, **kwargs)
 
-        monkeypatch.setattr(owner, name, counting)
+    monkeypatch.setattr(ops, "gemm_loss_scale", counting)
     update = scaler.update
 
     def counted_update(*args, **kwargs):
@@ -450,43 +444,27 @@ def test_overflow_skips_step_and_recomputes_scales(monkeypatch):
 def test_update_every_reuses_betas_between_updates(monkeypatch):
     from adaloss.adaptive import ops
 
-    # beta comes from gemm_loss_scale (device path) or native.beta_host (host recompute pass on the CPU)
-    calls = []
-    original, original_beta = ops.gemm_loss_scale, ops.native.beta_host
+    calls = []  # every beta comes from gemm_loss_scale
+    original = ops.gemm_loss_scale
 
     def counting(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    def counting_beta(*args, **kwargs):
-        calls.append(1)
-        return original_beta(*args, **kwargs)
-
     monkeypatch.setattr(ops, "gemm_loss_scale", counting)
-    monkeypatch.setattr(ops.native, "beta_host", counting_beta)
     scaler = AdaptiveLossScaler(update_every=3)
     _train_steps(scaler, _cifar("resnet20"), 7)
     n_layers = len(scaler.state.gemms)
     assert len(calls) == 3 * n_layers  # steps 0, 3 and 6 recompute
 
 
-@pytest.mark.parametrize("kernels", ["native", "torch"])
-def test_no_host_sync_in_the_backward_pass(monkeypatch, kernels):
-    """Nothing in the backward pass reads a tensor's value on the host, on update and reuse steps alike.
-
-    ``torch``: the native kernels off, so the pass takes the device path a GPU run takes (statistics,
-    betas and alphas as 0-dim tensors), checked by the ATen-level trap of ``tests/sync_trap.py`` (which
-    also fails on ``bool(t)``, ``float(t)`` and host data copied to a tensor); ``native``: the CPU's host
-    path, whose statistics are host floats by design (there is no device to wait for), checked for
-    ``.item()``, ``.cpu()`` and ``.tolist()``. ``tests/test_gpu_path.py`` runs the trap under real
-    autocast."""
-    from adaloss.numerics import native
+def test_no_host_sync_in_the_backward_pass():
+    """Nothing in the backward pass reads a tensor's value on the host, on update and reuse steps alike,
+    checked by the ATen-level trap of ``tests/sync_trap.py`` (which also fails on ``bool(t)``, ``float(t)``
+    and host data copied to a tensor). The CPU runs the code a GPU runs, so this is the GPU's guarantee;
+    ``tests/test_gpu_path.py`` runs the trap under real autocast too."""
     from sync_trap import no_host_sync
 
-    if kernels == "torch":
-        monkeypatch.setattr(native, "_enabled", False)
-    elif not native.available():
-        pytest.skip(f"native kernels: {native.status()}")
     for update_every in (1, 2):
         scaler = AdaptiveLossScaler(update_every=update_every)
         precision = Precision("fp16", "cpu")
@@ -497,19 +475,8 @@ def test_no_host_sync_in_the_backward_pass(monkeypatch, kernels):
             with precision.autocast():
                 loss = nn.functional.cross_entropy(model(x), y)
             scaled = scaler.scale(loss)
-
-            def forbidden(*args, **kwargs):
-                raise AssertionError("host-device sync in the backward pass")
-
-            if kernels == "torch":
-                with no_host_sync():
-                    scaled.backward()
-            else:
-                with monkeypatch.context() as m:
-                    for method in ("item", "cpu", "tolist"):
-                        m.setattr(torch.Tensor, method, forbidden)
-                    scaled.backward()
-            assert scaler.state.host == (kernels == "native" or scaler.state.recompute is False)
+            with no_host_sync():
+                scaled.backward()
             scaler.step(opt)
             scaler.update()
             opt.zero_grad()
@@ -611,18 +578,12 @@ class _InputUsedTwice(nn.Module):
 
 
 @pytest.mark.parametrize("input_grad", [True, False], ids=["input-grad", "no-input-grad"])
-@pytest.mark.parametrize("fused_nodes", [True, False], ids=["fused", "python"])
-def test_branch_point_on_an_unrounded_input_leaves_its_rounding_to_the_consumers(fused_nodes, input_grad):
+def test_branch_point_on_an_unrounded_input_leaves_its_rounding_to_the_consumers(input_grad):
     """Scaling changes gradients only: in emulated FP16 the attached model's forward pass gives the same
     bits as the plain model's, on recompute and reuse passes, also when a branch point sits on a tensor
     that is not in FP16 yet (its consumers must still round it)."""
-    import contextlib
-
-    from adaloss.numerics import fused
     from adaloss.numerics.emulation import EmulatedAutocast, is_low_precision
 
-    if fused_nodes and not fused.available():
-        pytest.skip(f"fused nodes: {fused.status()}")
     torch.manual_seed(0)
     plain = _InputUsedTwice()
     scaler = AdaptiveLossScaler(update_every=2)
@@ -633,16 +594,15 @@ def test_branch_point_on_an_unrounded_input_leaves_its_rounding_to_the_consumers
         expected = plain(x).detach()
     assert not torch.equal(expected, plain(x))  # the emulation does round here
     kinds = []
-    with contextlib.nullcontext() if fused_nodes else fused.disabled():
-        for _ in range(3):
-            with EmulatedAutocast(FP16):
-                out = model(x)
-            assert torch.equal(out, expected)
-            scaler.scale(out.square().sum()).backward()
-            scaler.step(opt)
-            kinds.append("recompute" if scaler.state.recompute else "reuse")
-            scaler.update()
-            opt.zero_grad(set_to_none=True)
+    for _ in range(3):
+        with EmulatedAutocast(FP16):
+            out = model(x)
+        assert torch.equal(out, expected)
+        scaler.scale(out.square().sum()).backward()
+        scaler.step(opt)
+        kinds.append("recompute" if scaler.state.recompute else "reuse")
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
     # Without a gradient for the input, the branch point is never reached; reuse steps still happen.
     assert kinds == ["recompute", "reuse", "recompute"]
     assert not is_low_precision(x)  # the caller's tensor is not marked
@@ -660,58 +620,44 @@ def _frozen_resnet20():
     return scaler, scaler.attach(model)
 
 
-def _frozen_run(fused_nodes: bool, steps: int, unfreeze_at: int | None = None):
+def _frozen_run(steps: int, unfreeze_at: int | None = None):
     """ResNet-20 in emulated FP16 with its stem and first two stages frozen (fine-tuning the rest),
     update_every=3; optionally everything unfrozen before step ``unfreeze_at``."""
-    import contextlib
-
-    from adaloss.numerics import fused
     from adaloss.numerics.emulation import EmulatedAutocast
 
     scaler, model = _frozen_resnet20()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     g = torch.Generator().manual_seed(1)
     kinds, unreached = [], []
-    with contextlib.nullcontext() if fused_nodes else fused.disabled():
-        for step in range(steps):
-            if step == unfreeze_at:
-                for p in model.parameters():
-                    p.requires_grad_(True)
-            x, y = torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 10, (4,), generator=g)
-            with EmulatedAutocast(FP16):
-                loss = nn.functional.cross_entropy(model(x), y)
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            kinds.append("recompute" if scaler.state.recompute else "reuse")
-            scaler.update()
-            unreached.append(scaler.state.has_unreached())
-            opt.zero_grad(set_to_none=True)
+    for step in range(steps):
+        if step == unfreeze_at:
+            for p in model.parameters():
+                p.requires_grad_(True)
+        x, y = torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 10, (4,), generator=g)
+        with EmulatedAutocast(FP16):
+            loss = nn.functional.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        kinds.append("recompute" if scaler.state.recompute else "reuse")
+        scaler.update()
+        unreached.append(scaler.state.has_unreached())
+        opt.zero_grad(set_to_none=True)
     return kinds, unreached, [p.detach().clone() for p in model.parameters()]
 
 
 def test_frozen_layers_keep_update_every():
     """Points no gradient reaches (frozen stages) have no scales; reuse steps go without them instead of
-    recomputing every step, with the fused and the Python nodes alike, and both train the same bits."""
-    from adaloss.numerics import fused
-
-    kinds, unreached, weights = _frozen_run(False, 5)
+    recomputing every step."""
+    kinds, unreached, weights = _frozen_run(5)
     assert kinds == ["recompute", "reuse", "reuse", "recompute", "reuse"]
     assert all(unreached)  # the frozen stages' points stay without scales
-    if fused.available():
-        fused_kinds, _, fused_weights = _frozen_run(True, 5)
-        assert fused_kinds == kinds
-        assert all(torch.equal(a, b) for a, b in zip(weights, fused_weights, strict=True))
+    assert all(torch.isfinite(w).all() for w in weights)
 
 
-@pytest.mark.parametrize("fused_nodes", [True, False], ids=["fused", "python"])
-def test_unfreezing_recomputes_on_the_next_step(fused_nodes):
-    """A change in which tensors need gradients makes the next step a recompute step (its forward pass is
-    built for it), after which every point has scales and reuse steps follow."""
-    from adaloss.numerics import fused
-
-    if fused_nodes and not fused.available():
-        pytest.skip(f"fused nodes: {fused.status()}")
-    kinds, unreached, weights = _frozen_run(fused_nodes, 5, unfreeze_at=1)
+def test_unfreezing_recomputes_on_the_next_step():
+    """A change in which tensors need gradients makes the next step a recompute step, after which every
+    point has scales and reuse steps follow."""
+    kinds, unreached, weights = _frozen_run(5, unfreeze_at=1)
     assert kinds == ["recompute", "recompute", "reuse", "recompute", "reuse"]
     assert unreached == [True, False, False, False, False]
     assert all(torch.isfinite(w).all() for w in weights)
@@ -719,30 +665,28 @@ def test_unfreezing_recomputes_on_the_next_step(fused_nodes):
 
 def test_reaching_an_unplanned_branch_point_on_a_reuse_step_is_a_clear_error():
     """A change that the requires_grad signature cannot see (simulated here by overwriting it) must not
-    sum gradients of different scales unnoticed: the Python reuse pass names the point and the fix."""
-    from adaloss.numerics import fused
+    sum gradients of different scales unnoticed: the reuse pass names the point and the fix."""
     from adaloss.numerics.emulation import EmulatedAutocast
 
     scaler, model = _frozen_resnet20()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     x, y = torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))
-    with fused.disabled():
-        for step in range(2):
-            if step == 1:
-                for p in model.parameters():
-                    p.requires_grad_(True)
-            with EmulatedAutocast(FP16):
-                loss = nn.functional.cross_entropy(model(x), y)
-            if step == 0:
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
-                opt.zero_grad(set_to_none=True)
-                continue
-            scaler.state.reach_sig = scaler.state.fwd_sig  # hide the change from the scaler
-            scaler.state.recompute_requested = False
-            with pytest.raises(RuntimeError, match="needs a gradient now but got none"):
-                scaler.scale(loss).backward()
+    for step in range(2):
+        if step == 1:
+            for p in model.parameters():
+                p.requires_grad_(True)
+        with EmulatedAutocast(FP16):
+            loss = nn.functional.cross_entropy(model(x), y)
+        if step == 0:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            continue
+        scaler.state.reach_sig = scaler.state.fwd_sig  # hide the change from the scaler
+        scaler.state.recompute_requested = False
+        with pytest.raises(RuntimeError, match="needs a gradient now but got none"):
+            scaler.scale(loss).backward()
 
 
 # ----------------------------------------------------------------------------------------- numerical effect
@@ -821,15 +765,15 @@ def test_adaptive_underflow_is_far_below_none_when_gradients_are_small(model, ru
 # ----------------------------------------------------------------------------------------- Algorithm 3
 
 
-@pytest.mark.parametrize("path", ["fused", "native", "torch"])
+@pytest.mark.parametrize("path", ["native", "torch"])
 def test_beta_scales_the_gradient_not_the_weight(path):
     """Algorithm 3 computes Backprop(beta * delta). Scaling the weight instead (beta * W in FP16) overflows
     where the scaled gradient does not: the last layer here receives a gradient of which 1% is 2**-24 (the
     rest underflowed), so the paper's rule gives it beta = 2**18, and one of its weights is 0.5: beta * W
     would hold 131072 = inf in FP16 and every step would be skipped (then alpha_{N+1} halved, and the
-    gradient lost). With the gradient scaled no step is skipped, every path (fused C++ nodes, Python nodes
-    with the native kernels, plain torch ops) gives the same bits, and the gradients are FP32's."""
-    from adaloss.numerics import fused, native
+    gradient lost). With the gradient scaled no step is skipped, the native FP16 rounding kernel and
+    torch's casts give the same bits, and the gradients are FP32's."""
+    from adaloss.numerics import native
 
     def run():
         torch.manual_seed(0)
@@ -852,17 +796,12 @@ def test_beta_scales_the_gradient_not_the_weight(path):
         (reference(x) * upstream).sum().backward()
         return scaler, attached, reference
 
-    if path == "fused":
-        if not fused.available():
-            pytest.skip(f"fused nodes: {fused.status()}")
-        scaler, attached, reference = run()
-    elif path == "native":
+    if path == "native":
         if not native.available():
             pytest.skip(f"native kernels: {native.status()}")
-        with fused.disabled():
-            scaler, attached, reference = run()
+        scaler, attached, reference = run()
     else:
-        with fused.disabled(), native.disabled():
+        with native.disabled():
             scaler, attached, reference = run()
     betas = scaler.layer_betas()
     assert betas["4"] >= 2.0**17, betas  # beta * 0.5 >= 65536: beyond FP16
@@ -876,7 +815,7 @@ def test_beta_scales_the_gradient_not_the_weight(path):
         # cosine 0.952); the layers below receive beta * delta and get FP32's gradients (cosine > 0.9999).
         assert cos > (0.9 if name.startswith("4.") else 0.999), (name, cos)
     grads = torch.cat([p.grad.flatten() for p in attached.parameters()])
-    if path == "fused":
-        test_beta_scales_the_gradient_not_the_weight.fused_grads = grads
-    elif hasattr(test_beta_scales_the_gradient_not_the_weight, "fused_grads"):
-        assert torch.equal(grads, test_beta_scales_the_gradient_not_the_weight.fused_grads)
+    if path == "native":
+        test_beta_scales_the_gradient_not_the_weight.native_grads = grads
+    elif hasattr(test_beta_scales_the_gradient_not_the_weight, "native_grads"):
+        assert torch.equal(grads, test_beta_scales_the_gradient_not_the_weight.native_grads)

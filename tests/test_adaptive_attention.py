@@ -322,7 +322,7 @@ def test_reuse_steps_and_pass_through_products_stay_exact(case):
     factory, batch = CASES[case]
     kinds = []
     for scaler in _run(factory, batch, "reference", update_every=3, steps=3, **BOUNDS["spread"]):
-        kinds.append((scaler.state.recompute, scaler.state.host))
+        kinds.append((scaler.state.recompute, scaler.state.host is not None))
         betas, points = scaler.layer_betas(), scaler.state.gemms
         assert all(betas[p.name] > 1 for p in points if p.kind == "product"), betas
     assert kinds == [(True, False), (False, True), (False, True)]
@@ -543,13 +543,12 @@ def test_telemetry_counts_every_gemm_and_attention_product(product_betas):
     "backend,dtype_name", [("emulate", "fp16"), ("autocast", "fp16"), ("autocast", "bf16")]
 )
 def test_no_host_sync_in_the_gpt_backward_pass(backend, dtype_name):
-    """The GPT decoder on the device path (``device_path=True``; under real autocast the only path):
-    recompute and reuse steps read no value on the host and copy no host data to the device while
-    backpropagating (tests/sync_trap.py), product points and tied embeddings included."""
+    """The GPT decoder: recompute and reuse steps read no value on the host and copy no host data to the
+    device while backpropagating (tests/sync_trap.py), product points and tied embeddings included."""
     from sync_trap import trapped_steps
 
     precision = Precision(dtype_name, "cpu", backend=backend)
-    cfg = {"name": "adaptive", "update_every": 2, "device_path": True}
+    cfg = {"name": "adaptive", "update_every": 2}
     scaler = build_scaler(OmegaConf.create(cfg), precision.grad_format)
     torch.manual_seed(0)
     model = precision.prepare(scaler.attach(TinyGPT()))
@@ -568,11 +567,11 @@ def test_no_host_sync_in_the_gpt_backward_pass(backend, dtype_name):
     assert scaler.state.unscales, "the tied embedding's use is unscaled by its own point"
 
 
-def _emulated_gpt_run(device_path: bool) -> tuple[list[dict[str, float]], list[torch.Tensor]]:
+def _emulated_gpt_run() -> tuple[list[dict[str, float]], list[torch.Tensor]]:
     """Four steps of the GPT in emulated FP16 (update_every=2): each step's betas, the final weights."""
     torch.manual_seed(0)
     precision = Precision("fp16", "cpu")
-    scaler = AdaptiveLossScaler(update_every=2, fmt=precision.grad_format, device_path=device_path)
+    scaler = AdaptiveLossScaler(update_every=2, fmt=precision.grad_format)
     model = precision.prepare(scaler.attach(TinyGPT()))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     g = torch.Generator().manual_seed(1)
@@ -589,15 +588,18 @@ def _emulated_gpt_run(device_path: bool) -> tuple[list[dict[str, float]], list[t
     return betas, [p.detach().clone() for p in model.parameters()]
 
 
-def test_host_and_device_paths_train_the_gpt_alike():
-    """On the CPU a recompute pass runs on host floats (native kernels), on a GPU on device tensors
-    (``device_path=True`` takes that path here): both give the GPT the same betas, product points and the
-    tied embedding included, and train the same weights bit for bit."""
-    host_betas, host_weights = _emulated_gpt_run(False)
-    device_betas, device_weights = _emulated_gpt_run(True)
-    assert host_betas == device_betas
-    assert any(b > 1 for step in host_betas for b in step.values())
-    assert all(torch.equal(a, b) for a, b in zip(host_weights, device_weights, strict=True))
+def test_the_native_rounding_kernel_trains_the_gpt_as_torch_casts_do():
+    """The native FP16 rounding kernel is a primitive only: with it and with torch's casts the GPT gets the
+    same betas, product points and the tied embedding included, and trains the same weights bit for
+    bit."""
+    from adaloss.numerics import native
+
+    fast_betas, fast_weights = _emulated_gpt_run()
+    with native.disabled():
+        torch_betas, torch_weights = _emulated_gpt_run()
+    assert fast_betas == torch_betas
+    assert any(b > 1 for step in fast_betas for b in step.values())
+    assert all(torch.equal(a, b) for a, b in zip(fast_weights, torch_weights, strict=True))
 
 
 # ----------------------------------------------------------------------------------------------- semantics
@@ -634,31 +636,19 @@ class _Attention(nn.Module):
         return self.attn(x, x, x)[0]
 
 
-@pytest.mark.parametrize("path", ["fused", "python"])
-def test_ops_writing_into_a_gemm_output_work_in_emulation(path):
-    """In emulated FP16 the fused nodes and the Python nodes (telemetry steps take them) hand an op that
-    writes in place a copy of the GEMM's output, not a view it may not modify; both train alike."""
-    import contextlib
-
-    from adaloss.numerics import fused
-
-    if path == "fused" and not fused.available():
-        pytest.skip(f"fused nodes: {fused.status()}")
+def test_ops_writing_into_a_gemm_output_work_in_emulation():
+    """In emulated FP16 an op that writes in place into a GEMM's output gets a copy, not a view it may not
+    modify, and trains."""
     torch.manual_seed(0)
     precision = Precision("fp16", "cpu")
     scaler = AdaptiveLossScaler(update_every=1)
     model = precision.prepare(scaler.attach(InPlace()))
     x, y = _images(torch.Generator().manual_seed(1), torch.float32)
-    with contextlib.nullcontext() if path == "fused" else fused.disabled():
-        with precision.autocast():
-            loss = _loss(model(x), y)
-        scaler.scale(loss).backward()
+    with precision.autocast():
+        loss = _loss(model(x), y)
+    scaler.scale(loss).backward()
     grads = torch.cat([p.grad.flatten() for p in model.parameters()])
     assert torch.isfinite(grads).all() and grads.abs().max() > 0
-    if path == "fused":
-        test_ops_writing_into_a_gemm_output_work_in_emulation.fused = grads
-    elif hasattr(test_ops_writing_into_a_gemm_output_work_in_emulation, "fused"):
-        assert torch.equal(grads, test_ops_writing_into_a_gemm_output_work_in_emulation.fused)
 
 
 @pytest.mark.parametrize("option", ["add_bias_kv", "add_zero_attn"])

@@ -1,4 +1,4 @@
-"""``make test`` says in its last line whether the native FP16 kernels and the fused C++ nodes were tested,
+"""``make test`` says in its last line whether the native FP16 rounding kernel was tested,
 and where they are required (``ADALOSS_REQUIRE_NATIVE=1``, set by ``.ci/run``, or ``CI``) a skip is an
 error (``tests/conftest.py``). Checked on a pytest run of one test of ``test_native.py`` in a subprocess."""
 

@@ -7,7 +7,6 @@ from adaloss.adaptive.rules import (
     ScaleRule,
     backward_fan_in,
     branch_loss_scale,
-    branch_loss_scale_host,
     gemm_loss_scale,
 )
 from adaloss.adaptive.transform import AdaptiveTransformError, attach_adaptive
@@ -20,6 +19,5 @@ __all__ = [
     "attach_adaptive",
     "backward_fan_in",
     "branch_loss_scale",
-    "branch_loss_scale_host",
     "gemm_loss_scale",
 ]

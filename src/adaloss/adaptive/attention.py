@@ -54,11 +54,8 @@ from adaloss.adaptive.ops import (
     MatmulOperands,
     ScaledGEMM,
     ScaledProduct,
-    contiguous,
-    fused_gemm,
 )
 from adaloss.errors import ConfigError
-from adaloss.numerics import fused
 from adaloss.numerics.emulation import active_emulation, is_low_precision, round_value
 
 __all__ = [
@@ -236,10 +233,24 @@ def _encoder_layer_forward(
     """``nn.TransformerEncoderLayer``'s slow path (its fast path serves inference only)."""
     x = src
     if m.norm_first:
-        x = x + m._sa_block(m.norm1(x), src_mask, src_key_padding_mask, is_causal=is_causal)
-        return x + m._ff_block(m.norm2(x))
-    x = m.norm1(x + m._sa_block(x, src_mask, src_key_padding_mask, is_causal=is_causal))
-    return m.norm2(x + m._ff_block(x))
+        x = x + _self_attention_block(m, m.norm1(x), src_mask, src_key_padding_mask, is_causal)
+        return x + _feed_forward_block(m, m.norm2(x))
+    x = m.norm1(x + _self_attention_block(m, x, src_mask, src_key_padding_mask, is_causal))
+    return m.norm2(x + _feed_forward_block(m, x))
+
+
+def _self_attention_block(m: nn.Module, x: Any, mask: Any, padding_mask: Any, is_causal: Any) -> Any:
+    """An encoder layer's self-attention with its dropout, from the layer's public submodules (what
+    torch's private ``_sa_block`` computes, without depending on it)."""
+    out = m.self_attn(
+        x, x, x, attn_mask=mask, key_padding_mask=padding_mask, need_weights=False, is_causal=is_causal
+    )[0]
+    return m.dropout1(out)
+
+
+def _feed_forward_block(m: nn.Module, x: Any) -> Any:
+    """An encoder or decoder layer's feed-forward part with its dropouts, from its public submodules."""
+    return m.dropout2(m.linear2(m.dropout(m.activation(m.linear1(x)))))
 
 
 def _encoder_forward(
@@ -455,7 +466,7 @@ def _scaled(
     fmt = emu.fmt if emu is not None and round_out else None
     y = ScaledProduct.apply(y, point, state, operands, fmt)
     if fmt is not None:
-        return GradRound.apply(y, state, emu.grad_fmt, emu.probe_for(probe))
+        return GradRound.apply(y, emu.grad_fmt, emu.probe_for(probe))
     return _probed(y, probe, state)
 
 
@@ -714,7 +725,6 @@ class LeafGEMMs(nn.Module):
         self.name = name
         object.__setattr__(self, "state", state)
         self.signature = inspect.signature(fn)
-        self._fused_spec: Any = None  # the C++ linear description, made on first use (False: unsupported)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         bound = self.signature.bind(*args, **kwargs)
@@ -737,21 +747,10 @@ class LeafGEMMs(nn.Module):
         return out
 
     def gemm(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, k: int) -> torch.Tensor:
-        """GEMM point ``k``: a fused C++ node on reuse passes in emulated FP16 (the plan's constants, as
-        for a layer), else :class:`ScaledGEMM` and :class:`GradRound`."""
-        state = self.state
-        if state.fused_mode == "reuse" and torch.is_grad_enabled() and fused.enabled() and contiguous(w):
-            if self._fused_spec is None:
-                self._fused_spec = fused.gemm_spec({"kind": "linear"}) or False
-            y = fused_gemm(state, x, w, b, self._fused_spec, k)
-            if y is not None:
-                return y
+        """GEMM point ``k``: :class:`ScaledGEMM` behind its :class:`GradRound`."""
         point = self.state.gemms[k]
         y = ScaledGEMM.apply(x, w, b, point, self.state, {"kind": "linear"}, torch.is_grad_enabled())
-        return GradRound.wrap(y, point, self.state)
-
-    def fusable(self) -> bool:
-        return False
+        return GradRound.wrap(y, point)
 
     def extra_repr(self) -> str:
         return f"{self.name}: {self.fn.__module__}.{self.fn.__qualname__}, adaptive loss scaling"

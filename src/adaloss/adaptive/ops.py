@@ -9,48 +9,32 @@ emitted it (that wiring is static and comes from :mod:`adaloss.adaptive.transfor
 between points and pass alpha through unchanged (section 3.2.2), so they need no code at all.
 
 * :class:`ScaledGEMM` (conv, linear): receives ``delta_j`` scaled by ``alpha_j``; computes the local scale
-  ``beta`` from the statistics of its weight and ``delta_j`` (Algorithm 4, by the rule of
+  ``beta`` from the statistics of its weight and ``delta_j`` (Algorithm 4, :func:`gemm_beta` and
   :mod:`adaloss.adaptive.rules`); computes the input gradient as ``Backprop(beta * delta_j)``, the scaled
   gradient stored in the gradient format (so an FP16 overflow of ``beta * delta_j`` is an overflow, as in
   FP16 training; scaling the weight instead would overflow wherever ``beta * W`` does) and emits
-  ``alpha_j * beta``; computes the weight gradient from ``delta_j`` and divides it by ``alpha_j`` in FP32 so
-  the master weights receive true gradients.
+  ``alpha_j * beta``; computes the weight gradient from ``delta_j`` and multiplies it by ``alpha_{N+1} /
+  alpha_j`` in FP32, so every parameter gradient leaves the backward pass carrying the root scale
+  ``alpha_{N+1}``, as under ``torch.amp.GradScaler`` (``unscale_`` then divides by it).
 * :class:`ScaledProduct` (an activation-by-activation product, an attention call): the same
   ``Backprop(beta * delta_j)`` with the beta of :func:`product_beta` (Algorithm 4 with the other operand in
-  the weight's place); no weight gradient to unscale.
+  the weight's place); no weight gradient.
 * :class:`Rescale` (branches, Algorithm 5): all gradients flowing into one tensor arrive together; they are
-  brought to one common alpha (:func:`~adaloss.adaptive.rules.branch_loss_scale`) and summed, the rescaling
-  fused into the sum.
-* :class:`ParamUnscale`: a non-GEMM use of a GEMM's parameter (a tied embedding), unscaled by its own alpha.
+  brought to one common alpha (:func:`branch_scales`, :func:`~adaloss.adaptive.rules.branch_loss_scale`)
+  and summed, the rescaling fused into the sum.
+* :class:`ParamUnscale`: any other use of a parameter (a batch norm's affine parameters, a tied
+  embedding), brought to the root scale by its own alpha.
 
-Nothing here synchronizes host and device, and nothing copies host data to a device during a backward pass:
-the statistics, betas and alphas stay on the device as tensors, and each layer's constants of Algorithm 4
-are put on the device when the scaler is armed (``AdaptiveState.prepare_constants``).
-On update steps the scaler copies all betas, branch factors and branch alphas to the host once (one sync
-per ``update_every`` steps); on the other steps the ops run on those host copies: every alpha is a Python
-float, so no scalar device op runs at all, multiplications by exactly 1 are skipped and the rest take
-Python scalars. On the CPU there is no device to wait for, so with the native kernels
-(:mod:`adaloss.numerics.native`) a recompute pass runs on host floats as well: one kernel pass over each
-GEMM point's incoming gradient rounds it and takes its statistics (in :class:`GradRound`), a native call
-turns them into beta as a float, and each branch point's kernel pass returns its inputs' maxima; the device
-tensors are filled alongside for checkpoints and telemetry.
-
-Where the time goes (emulated FP16 on the CPU, measured against the dynamic scaler): on a recompute step,
-one pass over each incoming gradient that also does the FP16 rounding the dynamic scaler does anyway, one
-pass per branch input (its max magnitude) and one over each weight for its statistics; on every step the
-multiplication of the gradient by beta (fused into its rounding pass in the fused nodes; a pass of its own
-in the Python nodes) and the division of the weight gradient by alpha (fused into its rounding). In
-emulated FP16 on the CPU the Python nodes here are replaced by fused C++ nodes
-(:mod:`adaloss.numerics.fused`) that compute the same values: the scaler tells the forward pass which kind
-of pass follows (``AdaptiveState.fused_mode``), so on a reuse pass each layer's node carries its beta and
-``1/alpha`` as constants (:class:`ReusePlan`), and on a recompute pass the nodes compute Algorithms 4 and 5
-and pass the alphas through a shared float64 record (``AdaptiveState.arm_record``). The Python nodes remain
-the path for CUDA (where their Python time overlaps with kernel execution), distributed recompute passes,
-FP8 gradients, telemetry steps and transposed convolutions. Two things keep the Python path at the plain
-layer's cost: the ops run with torch-function modes disabled (under the CPU emulation's mode, every tensor
-op and even ``.dtype`` inside them would take a Python round trip), and a branch adds its inputs' gradients
-in place into the gradient a GEMM point made for it, as autograd's own accumulation would, instead of
-allocating a rescaled copy.
+One implementation for every device: the statistics, betas and alphas of a recompute pass are 0-dim tensors
+on the gradients' device (CPU tensors on the CPU), nothing synchronizes host and device, and nothing copies
+host data to a device during a backward pass (each layer's constants of Algorithm 4 are put on the device
+when the scaler is armed, :class:`LayerConstants`). After a recompute step (``update_every > 1``) the
+scaler copies all betas, branch factors and branch alphas to the host once (:meth:`AdaptiveState.fetch_host`,
+one sync per ``update_every`` steps); the reuse passes in between run on those floats, so no scalar device
+op runs then and multiplications by exactly 1 are skipped. The ops run with torch-function modes disabled
+(under the CPU emulation's mode, every tensor op and even ``.dtype`` inside them would take a Python round
+trip), and a branch adds its inputs' gradients in place into the gradient a GEMM point made for it, as
+autograd's own accumulation would, instead of allocating a rescaled copy.
 """
 
 from __future__ import annotations
@@ -66,12 +50,11 @@ from adaloss.adaptive.rules import (
     ScaleRule,
     _low,
     branch_loss_scale,
-    branch_loss_scale_host,
     gemm_loss_scale,
     grad_stats,
+    max_magnitude,
     weight_factors,
 )
-from adaloss.numerics import fused, native
 from adaloss.numerics.emulation import active_emulation, is_low_precision, mark_low_precision
 from adaloss.numerics.formats import round_to_format
 
@@ -153,8 +136,7 @@ class GradSignature:
     two layers) has no scales, and reuse passes may go without them only while the same tensors need
     gradients (the traced graph is fixed, so then the same points are reached). The signature is the
     parameters' ``requires_grad`` flags and the forward's tensor inputs' flags. If it changed since the
-    last recompute and the fused nodes were armed with a partial plan, this re-arms them to recompute
-    before any node is built, and asks the scaler to make this step a recompute step.
+    last recompute, this asks the scaler to make this step a recompute step.
     Cost: one pass over the parameters' flags per forward pass with grad enabled (22 us for ResNet-110's
     329 tensors on the project's CPU, 0.003% of its step); no tensor data is read, no sync.
     """
@@ -170,171 +152,74 @@ class GradSignature:
         sig = (tuple(p.requires_grad for p in self.params), tuple(t.requires_grad for t in inputs))
         state = self.state
         state.fwd_sig = sig
-        # Real autocast (half tensors, CPU or CUDA): the backward pass then takes the device path, whose
-        # statistics are tensors (the host path's kernels read float32 only).
-        device_type = inputs[0].device.type if inputs else "cpu"
-        state.fwd_autocast = torch.is_autocast_enabled(device_type)
-        if state.reach_sig is None or sig == state.reach_sig or not state.has_unreached():
-            return None
-        state.recompute_requested = True
-        if state.fused_mode == "reuse":  # the fused nodes were armed with the partial plan
-            state.plan, state.fused_mode = None, None
-            if state.reduce_fn is None:
-                state.arm_record()
+        if state.reach_sig is not None and sig != state.reach_sig and state.has_unreached():
+            state.recompute_requested = True
         return None
-
-
-def contiguous(t: torch.Tensor) -> bool:
-    """``t.is_contiguous()`` without a round trip through the torch-function modes."""
-    with torch._C.DisableTorchFunction():
-        return t.is_contiguous()
-
-
-def fused_gemm(
-    state: AdaptiveState,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    spec: Any,
-    point_index: int,
-) -> torch.Tensor | None:
-    """In emulated FP16 on the CPU, a GEMM point as one fused C++ node (:func:`adaloss.numerics.fused.gemm`)
-    with the values of ScaledGEMM + GradRound bit for bit: on a reuse pass it carries the plan's beta
-    and 1/alpha, on a recompute pass it computes them into the state's record. None when that does not
-    apply (no FP16 emulation, underflow telemetry on, no fused form (``spec`` False), or on a reuse pass
-    inputs that are not float32 CPU tensors)."""
-    emu = active_emulation()
-    if emu is None or not emu._fp16 or emu.monitor is not None or spec is False or spec is None:
-        return None
-    with torch._C.DisableTorchFunction():  # plain attribute reads, not a round trip through the mode
-        ok = x.dtype is torch.float32 and x.is_cpu and weight.dtype is torch.float32 and weight.is_cpu
-        round_x = not is_low_precision(x)
-        if state.fused_mode == "reuse":
-            if not ok:
-                return None
-            entry = state.plan.gemm[point_index]  # type: ignore[union-attr]
-            if entry is None:  # no gradient reached this point in the last recompute pass
-                if x.requires_grad or any(p is not None and p.requires_grad for p in (weight, bias)):
-                    raise unplanned_point(state.gemms[point_index].name)
-                entry = (1.0, 1.0)  # no node is recorded: nothing requires a gradient
-            beta, inv_alpha = entry
-            y = fused.gemm(x, weight, bias, spec, round_x, False, beta, inv_alpha)
-        else:
-            if not ok:  # the other points share the record: no Python node may join them
-                raise RuntimeError(
-                    f"adaptive loss scaling: layer {state.gemms[point_index].name} got a {x.dtype} "
-                    f"{x.device.type} input in emulated FP16; set ADALOSS_FUSED=0 to use the Python nodes"
-                )
-            y = fused.gemm(
-                x,
-                weight,
-                bias,
-                spec,
-                round_x,
-                False,
-                record=state.record,
-                where=state.record_where["gemm"][point_index],
-                consts=state.record_where["gemm_consts"][point_index],
-            )
-    state.fused_built = state.fused_mode
-    return mark_low_precision(y)
 
 
 @dataclass
-class ReusePlan:
-    """Every scale of a reuse pass, fixed before its forward pass starts (see ``AdaptiveState.arm_plan``).
+class HostScales:
+    """Host copies of a recompute pass's scales, fetched in one sync after it (``update_every > 1``), so the
+    reuse passes until the next recompute multiply by Python floats: no scalar device op runs then, and a
+    factor of exactly 1 is skipped. ``beta[k]`` per GEMM point (1.0 where no gradient reached it),
+    ``branch_alpha[k]`` and ``branch_factors[k]`` per branch point (None where no gradient reached it)."""
 
-    Between recomputes nothing in a backward pass depends on the gradients' values: each GEMM point's
-    beta and each branch point's factors are the host copies of the last recompute, the root scale is
-    ``root``, so every slot's alpha follows (``slot_alpha``). With the scales known in the forward pass,
-    the layers and branch points can be built as fused C++ nodes that carry them as constants
-    (:mod:`adaloss.numerics.fused`): ``gemm[k]`` is point k's ``(beta, 1 / alpha_j)``, ``branch[k]`` point
-    k's factors, one per consumer.
-    """
-
-    root: float
-    slot_alpha: list[float | None]
-    gemm: list[tuple[float, float] | None]
-    branch: list[list[float] | None]
-    #: Some points got no gradient in the last recompute pass (frozen layers, an input used twice):
-    #: their entries are None, valid only while the model's requires_grad signature stays the same.
-    partial: bool = False
+    beta: list[float]
+    branch_alpha: list[float | None]
+    branch_factors: list[list[float] | None]
 
 
 class AdaptiveState:
-    """Per-model state of the adaptive scaler: slots of alphas, the betas, and what the host knows of them.
+    """Per-model state of the adaptive scaler: the points, slots of alphas, and the scales of the last
+    recompute pass.
 
-    ``beta`` holds one device tensor per GEMM point, ``branch_alpha``/``branch_factors`` one per branch point.
-    ``beta_host``, ``branch_factors_host`` and ``branch_alpha_host`` are their host copies, fetched in one
-    sync after each update step (``update_every > 1``) and dropped when the betas are recomputed.
+    ``beta`` holds one 0-dim device tensor per GEMM point, ``branch_alpha``/``branch_factors`` one per
+    branch point: what the last recompute pass computed. ``host`` holds their host copies
+    (:class:`HostScales`) once fetched, None until then.
 
-    ``alpha[s]`` is the scale of the gradient emitted into slot ``s`` during the current backward pass. On
-    a *recompute* pass, and on a reuse pass without host copies, alphas are 0-dim device tensors computed
-    from the device betas. On a reuse pass with host copies (``host`` is True) every alpha is a Python
-    float: the ops then multiply by Python scalars, skip factors equal to 1, and run no scalar device ops.
+    ``alpha[s]`` is the scale of the gradient emitted into slot ``s`` during the current backward pass. A
+    pass is of one of two kinds, ``recompute`` (True: Algorithms 4 and 5 run on device tensors, and the
+    alphas are 0-dim device tensors) or reuse (False: every point applies the scales of the last
+    recompute; with host copies every alpha is a Python float, else a device tensor). The same code runs
+    on every device: on the CPU, device tensors are CPU tensors.
     """
 
     def __init__(self, rule: ScaleRule) -> None:
         self.rule = rule
-        self.u_max = rule.u_max
         self.gemms: list[GemmPoint] = []
         self.branches: list[BranchPoint] = []
         self.unscales: list[UnscalePoint] = []
-        # Set by the transform for the scaler: the parameters whose gradients the backward pass unscales
-        # (every parameter of a GEMM point, and the other uses of those), the parameters under GEMM
-        # weights (their device and dtype key Algorithm 4's constants), and the modules of the GEMM points
-        # (``fusable()``: whether each has a fused C++ form; recompute passes use the fused nodes only if
-        # all have one, reuse passes mix them with Python nodes).
-        self.unscaled_params: list[torch.Tensor] = []
+        # Set by the transform for the scaler: the GEMM weights (their devices and dtypes key Algorithm 4's
+        # constants).
         self.gemm_weight_params: list[torch.Tensor] = []
-        self.point_modules: list[Any] = []
-        self.num_slots = 1
         self.alpha: list[torch.Tensor | float | None] = [None]
         self.beta: list[torch.Tensor | None] = []
-        self.beta_host: list[float] | None = None
         self.branch_alpha: list[torch.Tensor | None] = []
-        self.branch_alpha_host: list[float] | None = None
         self.branch_factors: list[torch.Tensor | None] = []
-        self.branch_factors_host: list[list[float]] | None = None
         # per branch point, (incoming alphas, common alpha) of the last recompute; see ``rescaled()``
         self.branch_rescaled: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        self.host: HostScales | None = None
         self.recompute = True
-        self.host = False
         self.reduce_fn: Any = None
-        self.param_slots: dict[str, int] = {}  # non-GEMM parameters -> slot of the gradient that scales them
-        # the weight each GEMM point's forward used, for the batched weight statistics
-        self.fwd_weight: list[torch.Tensor | None] = []
-        self._weight_factors: list[torch.Tensor | None] | None = None
-        # Algorithm 4's per-layer constants on the devices (``prepare_constants``): per (device, dtype) the
-        # table for the current output sizes, tables cached by sizes, and a 0-dim 1
-        self.n_g: list[int] = []  # each point's output size in its latest recorded forward pass
-        self._caps_cpu = torch.tensor(rule.caps, dtype=torch.float32)  # beside native (CPU) factors
-        self._table: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
-        self._tables: dict[tuple[torch.device, torch.dtype], dict[tuple, torch.Tensor]] = {}
-        self._one: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        self.constants = LayerConstants(rule)
         # input gradients made by GEMM points that feed a branch directly (see ``GemmPoint.feeds``)
         self.fresh: dict[tuple[int, int], torch.Tensor] = {}
-        # statistics GradRound took of a rounded gradient, keyed by id() of that tensor (see GradRound)
-        self.grad_stats: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        # Fused C++ nodes (CPU, emulated FP16; see ``arm_plan`` and ``arm_record``): which kind the next
-        # forward pass may build ("reuse" with ``plan``, "recompute" with ``record``; set by the scaler),
-        # and which kind a forward pass did build since the last ``start_backward``.
-        self.fused_mode: str | None = None
-        self.fused_built: str | None = None
-        self.plan: ReusePlan | None = None
         # Which tensors need gradients (parameters, then the forward's tensor inputs) in the latest forward
         # pass with grad enabled, and in the forward pass of the last recompute (None: unknown). A point
         # no gradient reached in that pass will not be reached while the two are equal (a traced graph).
         self.fwd_sig: tuple | None = None
         self.reach_sig: tuple | None = None
         self.recompute_requested = False  # set by GradSignature: the scaler recomputes on this step
-        self.fwd_autocast = False  # set by GradSignature: the latest forward pass ran under real autocast
-        self.record: torch.Tensor | None = None
-        self.record_where: dict[str, Any] = {}
-        self._record_pending = False
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.alpha)
+
+    @property
+    def u_max(self) -> float:
+        return self.rule.u_max
 
     def new_slot(self) -> int:
-        self.num_slots += 1
         self.alpha.append(None)
         return self.num_slots - 1
 
@@ -342,12 +227,10 @@ class AdaptiveState:
         point = GemmPoint(
             len(self.gemms), name, fan_in, self.rule.layer_constants(n_weights, fan_in), kind=kind
         )
-        self.n_g.append(1)
-        self._table, self._tables = {}, {}
+        self.constants.add_point(point)
         point.out_slot = self.new_slot()
         self.gemms.append(point)
         self.beta.append(None)
-        self.fwd_weight.append(None)
         return point
 
     def add_unscale(self, name: str) -> UnscalePoint:
@@ -368,213 +251,33 @@ class AdaptiveState:
         """Whether some point has no scales (no gradient reached it in the last recompute pass)."""
         return any(b is None for b in self.beta) or any(f is None for f in self.branch_factors)
 
-    def drop_host_copies(self) -> None:
-        """Forget the host copies (the device betas are about to change, or did), and the plan."""
-        self.beta_host = None
-        self.branch_factors_host = None
-        self.branch_alpha_host = None
-        self.plan = None
-        self.reach_sig = None
-        if self.fused_mode == "reuse":
-            self.fused_mode = None
-
-    def arm_plan(self, root: float) -> ReusePlan | None:
-        """Fix the scales of the next pass from the host copies, for a forward pass that will be followed
-        by a reuse pass with root scale ``root``; sets and returns ``self.plan``. None (the Python nodes
-        run) when a point was not reached by the last pass or a scale is not a power of two (dividing
-        by it would not be exact as a multiplication by its reciprocal)."""
-        self.plan = None
-        self.fused_mode = None
-        if self.beta_host is None or self.branch_factors_host is None or self.branch_alpha_host is None:
-            return None
-        reached_gemm = [b is not None for b in self.beta]
-        reached_branch = [
-            f is not None and a is not None
-            for f, a in zip(self.branch_factors_host, self.branch_alpha_host, strict=True)
-        ]
-        partial = not (all(reached_gemm) and all(reached_branch))
-        if partial and self.reach_sig is None:
-            return None  # unreached points, and no signature to tell that they stay unreached
-        slot: list[float | None] = [None] * self.num_slots
-        slot[0] = float(root)
-        for b in self.branches:
-            if reached_branch[b.index]:
-                slot[b.out_slot] = self.branch_alpha_host[b.index]
-        pending = [p for p in self.gemms if reached_gemm[p.index]]
-        while pending:  # a GEMM point's alpha is its input's times its beta: resolve in dependency order
-            left = [p for p in pending if p.in_slot < 0 or slot[p.in_slot] is None]
-            for p in pending:
-                if p.in_slot >= 0 and slot[p.in_slot] is not None:
-                    slot[p.out_slot] = slot[p.in_slot] * self.beta_host[p.index]
-            if len(left) == len(pending):
-                return None  # a reached point whose incoming scale is unknown
-            pending = left
-        gemm: list[tuple[float, float] | None] = []
-        for p in self.gemms:
-            if not reached_gemm[p.index]:
-                gemm.append(None)
-                continue
-            alpha_j, beta = slot[p.in_slot], self.beta_host[p.index]
-            if not (_is_pow2(alpha_j) and _is_pow2(beta)):
-                return None
-            gemm.append((beta, 1.0 / alpha_j))
-        branch = [
-            list(f) if ok else None for f, ok in zip(self.branch_factors_host, reached_branch, strict=True)
-        ]
-        if not partial and any(a is None for a in slot):
-            return None
-        self.plan = ReusePlan(float(root), slot, gemm, branch, partial)
-        self.fused_mode = "reuse"
-        return self.plan
-
-    def arm_record(self) -> None:
-        """Let the next forward pass build fused nodes that recompute the scales on host floats (the
-        CPU counterpart of the host recompute pass, see ``start_backward``). They share ``record``, a
-        float64 CPU tensor: every slot's alpha (NaN until reached), then each GEMM point's beta, then per
-        branch point its common alpha, its factors and its incoming alphas; ``record_where`` says where.
-        ``sync_record`` copies what a pass wrote into the usual fields."""
-        self.plan = None
-        if self.record is None:
-            at = self.num_slots
-            gemm, consts = [], []
-            bounds = self.rule.caps
-            for p in self.gemms:
-                gemm.append((p.in_slot, p.out_slot, at, self.rule.flags))
-                consts.append((*p.constants, *bounds))
-                at += 1
-            branch = []
-            for b in self.branches:
-                n = len(b.in_slots)
-                branch.append([b.out_slot, at, at + 1, at + 1 + n, *b.in_slots])
-                at += 1 + 2 * n
-            self.record = torch.full((at,), math.nan, dtype=torch.float64)
-            self.record_where = {"gemm": gemm, "branch": branch, "gemm_consts": consts}
-        self.fused_mode = "recompute"
-
-    def sync_record(self) -> None:
-        """After a pass of fused recompute nodes: the alphas, betas and branch results they wrote into
-        ``record``, copied into ``alpha``, the host copies and the device (CPU) tensors, as the Python host
-        recompute pass would have left them. A no-op otherwise. No host sync (a CPU tensor)."""
-        if not self._record_pending:
-            return
-        self._record_pending = False
-        vals = self.record.tolist()  # type: ignore[union-attr]
-        self.alpha = [None if math.isnan(v) else v for v in vals[: self.num_slots]]
-        for p, (_, _, at, _) in zip(self.gemms, self.record_where["gemm"], strict=True):
-            if not math.isnan(vals[at]):
-                self.beta_host[p.index] = vals[at]  # type: ignore[index]
-                self.beta[p.index] = torch.tensor(vals[at], dtype=torch.float32)
-        for b, where in zip(self.branches, self.record_where["branch"], strict=True):
-            common = vals[where[1]]
-            if math.isnan(common):
-                continue
-            n = len(b.in_slots)
-            full = vals[where[2] : where[2] + n]
-            alphas = [a for a in vals[where[3] : where[3] + n] if not math.isnan(a)]
-            k = b.index
-            self.branch_alpha_host[k] = common  # type: ignore[index]
-            self.branch_factors_host[k] = full  # type: ignore[index]
-            self.branch_alpha[k] = torch.tensor(common, dtype=torch.float32)
-            self.branch_factors[k] = torch.tensor(full, dtype=torch.float32)
-            self.branch_rescaled[k] = (torch.tensor(alphas, dtype=torch.float32), self.branch_alpha[k])
-
     def start_backward(
-        self,
-        root_alpha: torch.Tensor,
-        recompute: bool,
-        root_host: float | None = None,
-        host_recompute: bool = False,
+        self, root_alpha: torch.Tensor, recompute: bool, root_host: float | None = None
     ) -> None:
-        """Called by ``scaler.scale(loss)``: reset the slots and set the root scale alpha_{N+1}.
+        """Called by ``scaler.scale(loss)``: reset the slots, choose the pass kind, set the root scale.
 
         ``recompute``: compute new betas in this backward pass (the host copies are dropped; the scaler
-        fetches new ones after the step). Otherwise the existing betas are reused: as Python floats if the
-        host copies and ``root_host`` (the root scale as a float) are available, else as device tensors (a
-        second backward pass of a recompute iteration, under gradient accumulation). A pass before any
-        betas exist always recomputes.
-
-        ``host_recompute`` (the scaler sets it for a float32 model on the CPU with the native kernels, no
-        distributed reduction, and ``root_host`` given): a recompute pass runs on host floats too. Each
-        GEMM point gets its beta as a float (:func:`adaloss.numerics.native.beta_host`) and each branch
-        point its inputs' maxima, so the alphas are floats and no 0-dim tensor op runs; the
-        device tensors and host copies are filled as the pass goes, so nothing needs fetching afterwards.
+        fetches new ones after the step). Otherwise the existing scales are reused: as Python floats if
+        the host copies and ``root_host`` (the root scale as a float) are available, else as device
+        tensors (a second backward pass of a recompute iteration, under gradient accumulation). A pass
+        before any betas exist, or with points that the last recompute did not reach while other tensors
+        now need gradients, recomputes.
         """
-        self.sync_record()  # a previous pass of fused recompute nodes (gradient accumulation)
         self.alpha = [None] * self.num_slots
-        self._weight_factors = None
         self.fresh = {}
-        self.grad_stats = {}
-        built, self.fused_built = self.fused_built, None
-        if built == "reuse":
-            # The forward pass built fused nodes that carry the plan's scales: this pass reuses them.
-            plan = self.plan
-            if plan is None or recompute or root_host is None or float(root_host) != plan.root:
-                raise RuntimeError(
-                    "adaptive loss scaling: the forward pass was built for a step that reuses the scales, "
-                    "but this backward pass would recompute them (was load_state_dict() or the loss scale "
-                    "changed between the forward pass and scale()?); run the forward pass again"
-                )
-            if plan.partial and self.fwd_sig != self.reach_sig:
-                raise RuntimeError(
-                    "adaptive loss scaling: which tensors need gradients changed since the scales were "
-                    "last computed, and the forward pass was built before that was known; call "
-                    "scaler.recompute_next() and run the forward pass again"
-                )
-            self.recompute = False
-            self.host = True
-            self.alpha = list(plan.slot_alpha)
-            return
-        if built == "recompute":
-            # The forward pass built fused nodes that compute the scales into ``record``.
-            if not (recompute and host_recompute and root_host is not None):
-                raise RuntimeError(
-                    "adaptive loss scaling: the forward pass was built for a step that recomputes the "
-                    "scales, but this backward pass would reuse them (was load_state_dict() called between "
-                    "the forward pass and scale()?); run the forward pass again"
-                )
-            self.recompute = True
-            self.host = True
-            self._reset_for_host_recompute()
-            self.reach_sig = self.fwd_sig
-            self.fwd_weight = [None] * len(self.fwd_weight)  # the nodes take the weights' statistics
-            self.record.fill_(math.nan)  # type: ignore[union-attr]
-            self.record[0] = float(root_host)  # type: ignore[index]
-            self.alpha[0] = float(root_host)
-            self._record_pending = True
-            return
         missing = self.has_unreached()
         # Points the last recompute pass did not reach may stay without scales while nothing else changed
         # (GradSignature); with no such pass on record, every point needs its scales first.
         if recompute or (missing and (self.reach_sig is None or self.fwd_sig != self.reach_sig)):
             self.recompute = True
-            self.host = host_recompute and root_host is not None
-            if self.host:
-                self._reset_for_host_recompute()
-            else:
-                self.drop_host_copies()
+            self.host = None
             self.reach_sig = self.fwd_sig
         else:
             self.recompute = False
-            self.fwd_weight = [None] * len(self.fwd_weight)  # no statistics needed: drop the references
-            self.host = (
-                root_host is not None
-                and self.beta_host is not None
-                and self.branch_factors_host is not None
-                and self.branch_alpha_host is not None
-            )
-        self.alpha[0] = float(root_host) if self.host else root_alpha
-
-    def _reset_for_host_recompute(self) -> None:
-        """Before a recompute pass on host floats (Python or fused nodes): fresh host copies, filled as the
-        pass goes; a point the pass never reaches keeps beta 1, and its device values are cleared so that
-        it is recomputed next time, as on the device path."""
-        self.drop_host_copies()
-        self.beta_host = [1.0] * len(self.beta)
-        self.branch_factors_host = [None] * len(self.branches)
-        self.branch_alpha_host = [None] * len(self.branches)
-        self.beta = [None] * len(self.beta)
-        self.branch_factors = [None] * len(self.branches)
-        self.branch_alpha = [None] * len(self.branches)
+            self.constants.forget_weights()  # no statistics needed: drop the references
+            if root_host is None:
+                self.host = None
+        self.alpha[0] = float(root_host) if self.host is not None else root_alpha
 
     def read_alpha(self, slot: int, where: str) -> torch.Tensor | float:
         a = self.alpha[slot]
@@ -585,13 +288,81 @@ class AdaptiveState:
             )
         return a
 
-    def prepare_constants(self, weights: list[torch.Tensor]) -> None:
-        """Put Algorithm 4's constants where the coming backward pass computes its statistics (the
-        devices, and float64 for float64 weights else float32, of ``weights``): per (device, dtype) a
-        ``[points, 4]`` table of ``(A sqrt(n_g), B, scale cap, accumulation cap)`` for the output sizes
-        ``n_g`` the forward pass just recorded (:func:`adaloss.adaptive.rules.weight_factors`), a 0-dim 1 and
-        the reference rule's ``[1, 0, 0, 0, 0]``. The scaler calls this from ``scale()``, so a host-to-device
-        copy happens there, before the backward pass, and only when a table is new (cached by the sizes)."""
+    def root_over(self, alpha: torch.Tensor | float) -> torch.Tensor | float:
+        """``alpha_{N+1} / alpha``: what brings a gradient carrying ``alpha`` to the root scale, as every
+        parameter gradient leaves the backward pass (exact: both are powers of two)."""
+        root = self.alpha[0]
+        if isinstance(root, float) and isinstance(alpha, float):
+            return root / alpha
+        return torch.as_tensor(root).to(alpha.device if isinstance(alpha, torch.Tensor) else None) / alpha
+
+    def fetch_host(self) -> None:
+        """Copy the last recompute's betas, branch alphas and branch factors to the host: one host-device
+        sync for all of them (the scaler calls this after a recompute step with ``update_every > 1``)."""
+        values = [b for b in self.beta if b is not None]
+        values += [f for f in self.branch_factors if f is not None]
+        values += [a for a in self.branch_alpha if a is not None]
+        if not values:
+            self.host = HostScales([1.0] * len(self.beta), [], [])
+            return
+        device = values[0].device
+        flat = torch.cat([v.float().reshape(-1).to(device) for v in values]).cpu().tolist()  # the one sync
+        it = iter(flat)
+        beta = [next(it) if b is not None else 1.0 for b in self.beta]
+        factors = [
+            [next(it) for _ in range(f.numel())] if f is not None else None for f in self.branch_factors
+        ]
+        alphas = [next(it) if a is not None else None for a in self.branch_alpha]
+        self.host = HostScales(beta, alphas, factors)
+
+    def rescaled(self, index: int) -> torch.Tensor | None:
+        """Whether branch ``index``'s incoming gradients had different alphas at the last recompute."""
+        entry = self.branch_rescaled[index]
+        if entry is None:
+            return None
+        alphas, common = entry
+        return (alphas != common).any()
+
+
+class LayerConstants:
+    """Algorithm 4's per-layer constants, and the weights' part of it for the current recompute pass.
+
+    ``prepare(weights)`` puts them where the coming backward pass computes its statistics (the devices, and
+    float64 for float64 weights else float32): per (device, dtype) a ``[points, 4]`` table of ``(A
+    sqrt(n_g), B, scale cap, accumulation cap)`` for the output sizes ``n_g`` the forward pass recorded
+    (:func:`adaloss.adaptive.rules.weight_factors`), a 0-dim 1 and the reference rule's ``[1, 0, 0, 0,
+    0]``. The scaler calls it from ``scale()``, so a host-to-device copy happens there, before the backward
+    pass, and only when a table is new (cached by the sizes). ``factors_for(k)`` gives point ``k``'s weight
+    factors, computed for every recorded point at once on the first call of a pass.
+    """
+
+    def __init__(self, rule: ScaleRule) -> None:
+        self.rule = rule
+        self.points: list[GemmPoint] = []
+        self.n_g: list[int] = []  # each point's output size in its latest recorded forward pass
+        self.fwd_weight: list[torch.Tensor | None] = []  # the weight each point's forward used
+        self._factors: list[torch.Tensor | None] | None = None
+        self._table: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        self._tables: dict[tuple[torch.device, torch.dtype], dict[tuple, torch.Tensor]] = {}
+        self._one: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+    def add_point(self, point: GemmPoint) -> None:
+        self.points.append(point)
+        self.n_g.append(1)
+        self.fwd_weight.append(None)
+        self._table, self._tables = {}, {}
+
+    def record(self, index: int, weight: torch.Tensor, n_g: int) -> None:
+        """The forward pass of point ``index`` used ``weight`` and made ``n_g`` outputs."""
+        self.fwd_weight[index] = weight
+        self.n_g[index] = n_g
+
+    def forget_weights(self) -> None:
+        self.fwd_weight = [None] * len(self.fwd_weight)
+        self._factors = None
+
+    def prepare(self, weights: list[torch.Tensor]) -> None:
+        self._factors = None
         sizes = tuple(self.n_g)
         for w in weights:
             key = (w.device, _stat_dtype(w.dtype))
@@ -599,27 +370,25 @@ class AdaptiveState:
             if sizes not in tables:
                 if len(tables) >= 4:  # a few batch geometries at most (e.g. a last partial batch)
                     tables.pop(next(iter(tables)))
-                rows = [self._table_row(i) for i in range(len(self.gemms))]
+                rows = [self._row(i) for i in range(len(self.points))]
                 tables[sizes] = torch.tensor(rows, dtype=key[1], device=key[0]).reshape(-1, 4)
             self._table[key] = tables[sizes]
             if key not in self._one:
                 self._one[key] = torch.ones((), dtype=key[1], device=key[0])
                 _low(key[1], str(key[0]))  # made now, not in the backward pass
 
-    def _table_row(self, index: int) -> list[float]:
-        point = self.gemms[index]
-        a, b = point.constants
+    def _row(self, index: int) -> list[float]:
+        a, b = self.points[index].constants
         return [self.rule.lower_constant(a, self.n_g[index]), b, *self.rule.caps]
 
     def _rows(self, indices: list[int], weight: torch.Tensor) -> torch.Tensor:
-        """The ``[len(indices), 4]`` table rows of points ``indices`` for statistics of ``weight``: views
-        and device ops on the table ``prepare_constants`` made (made here if it was not, for direct use of
-        the ops outside a scaler)."""
+        """The table rows of points ``indices`` for statistics of ``weight`` (made here if ``prepare`` did
+        not, for direct use of the ops outside a scaler)."""
         key = (weight.device, _stat_dtype(weight.dtype))
         if key not in self._table:
-            self.prepare_constants([weight])
+            self.prepare([weight])
         table = self._table[key]
-        if indices == list(range(len(self.gemms))):
+        if indices == list(range(len(self.points))):
             return table
         if len(indices) == 1:
             return table[indices[0] : indices[0] + 1]
@@ -629,49 +398,31 @@ class AdaptiveState:
         """A 0-dim 1 where ``weight``'s statistics are taken (:func:`adaloss.adaptive.rules.grad_stats`)."""
         key = (weight.device, _stat_dtype(weight.dtype))
         if key not in self._one:
-            self.prepare_constants([weight])
+            self.prepare([weight])
         return self._one[key]
-
-    def _factors(self, indices: list[int], weights: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Factor rows (5-vectors) of points ``indices`` from ``weights``: for float32 CPU weights the
-        first three columns by one native call (the caps appended), else :func:`weight_factors`."""
-        consts = [(row[0], row[1]) for row in (self._table_row(i) for i in indices)]
-        fused = native.weight_factors(weights, consts)
-        if fused is not None:
-            caps = self._caps_cpu.expand(len(indices), 2)
-            return list(torch.cat([fused, caps], dim=1).unbind(0))
-        return list(weight_factors(weights, self._rows(indices, weights[0])).unbind(0))
 
     def layer_factors(self, index: int, weight: torch.Tensor) -> torch.Tensor:
         """Point ``index``'s weight factors from ``weight`` alone (a point whose forward was not recorded,
         or a distributed pass). No host sync, no host-to-device copy once the constants are prepared."""
-        return self._factors([index], [weight])[0]
+        return weight_factors([weight], self._rows([index], weight))[0]
 
     def factors_for(self, index: int) -> torch.Tensor | None:
         """Point ``index``'s weight factors for Algorithm 4, computed for every recorded point at once on
-        the first call of a recompute pass (from the weights the forward pass recorded), per (device, dtype)
-        group: for float32 CPU weights by one native call, else two ``_foreach_norm`` calls and three vector
-        ops. ``None`` if the point's forward was not recorded (then use :meth:`layer_factors`)."""
-        if self._weight_factors is None:
-            self._weight_factors = [None] * len(self.fwd_weight)
+        the first call of a recompute pass, per (device, dtype) group: two ``_foreach_norm`` calls and three
+        vector ops. ``None`` if the point's forward was not recorded (then use :meth:`layer_factors`)."""
+        if self._factors is None:
+            self._factors = [None] * len(self.fwd_weight)
             groups: dict[tuple, list[int]] = {}
             for i, w in enumerate(self.fwd_weight):
                 if w is not None:
                     groups.setdefault((w.device, w.dtype), []).append(i)
             for idx in groups.values():
-                rows = self._factors(idx, [self.fwd_weight[i] for i in idx])
+                weights = [self.fwd_weight[i] for i in idx]
+                rows = weight_factors(weights, self._rows(idx, weights[0])).unbind(0)
                 for i, row in zip(idx, rows, strict=True):
-                    self._weight_factors[i] = row
+                    self._factors[i] = row
             self.fwd_weight = [None] * len(self.fwd_weight)  # do not keep the weight copies alive
-        return self._weight_factors[index]
-
-    def rescaled(self, index: int) -> torch.Tensor | None:
-        """Whether branch ``index``'s incoming gradients had different alphas at the last recompute."""
-        entry = self.branch_rescaled[index]
-        if entry is None:
-            return None
-        alphas, common = entry
-        return (alphas != common).any()
+        return self._factors[index]
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -701,17 +452,16 @@ class ScaledGEMM(torch.autograd.Function):
     ``spec`` describes the layer (``kind``: "linear" | "conv" | "conv_transpose", strides, padding, ...).
     In emulation it rounds like :class:`~adaloss.numerics.emulation.EmulatedAutocast` would around a GEMM:
     the weight copy, the output, the beta-scaled gradient used for the input gradient, and the weight
-    gradient before it is unscaled into the FP32 master gradient; the incoming gradient arrives already
-    rounded (and counted for telemetry) by the :class:`GradRound` node on its output. Under autocast (CUDA,
-    or the CPU's own FP16/BF16) it computes in the autocast dtype explicitly, backward pass included.
-    ``record`` (grad mode was on at the call) lets the forward
-    pass leave its weight in the state for the batched weight statistics.
+    gradient before it is brought to the root scale in the FP32 master gradient; the incoming gradient
+    arrives already rounded (and counted for telemetry) by the :class:`GradRound` node on its output. Under
+    autocast (CUDA, or the CPU's own FP16/BF16) it computes in the autocast dtype explicitly, backward pass
+    included. ``record`` (grad mode was on at the call) lets the forward pass leave its weight in the state
+    for the batched weight statistics.
 
-    Per backward call, beyond what the plain layer does: on a recompute pass the gradient's statistics
-    (taken by GradRound in its rounding pass, or here in one native pass or two torch reductions) and the
-    beta arithmetic (one native call, or about ten scalar ops); on every pass one multiply of the incoming
-    gradient by beta (skipped when beta is known to be 1) and the division of the weight gradient by alpha
-    (skipped when alpha is known to be 1), each fused with its FP16 rounding for host scales on the CPU.
+    Per backward call, beyond what the plain layer does: on a recompute pass the gradient's statistics (two
+    reductions) and the beta arithmetic (about ten 0-dim ops, :meth:`adaloss.adaptive.rules.ScaleRule.beta`);
+    on every pass one multiply of the incoming gradient by beta (skipped when a host beta is 1) and one of
+    the weight gradient by ``alpha_{N+1} / alpha_j`` (skipped when it is a host 1). No host sync.
     """
 
     @staticmethod
@@ -728,17 +478,14 @@ class ScaledGEMM(torch.autograd.Function):
         # With a gradient format, GradRound (applied to this op's output by AdaptiveGEMM) rounds the incoming
         # gradient and feeds the probe; without one (FP32 telemetry) the probe is fed here.
         ctx.grad_fmt = emu.grad_fmt if emu is not None else None
-        ctx.fp16 = ctx.grad_fmt is not None and ctx.grad_fmt.dtype is torch.float16
         ctx.probe = emu.probe_for(point.name) if emu is not None and ctx.grad_fmt is None else None
         ctx.point, ctx.state, ctx.spec = point, state, spec
         ctx.x_dtype = x.dtype
-        ctx.w_dtype = weight.dtype  # the master weight's dtype: unscaled gradients are returned in it
+        ctx.w_dtype = weight.dtype  # the master weight's dtype: parameter gradients are returned in it
         # Under autocast (any device type: CUDA, or the CPU's real FP16/BF16 kernels) the layer computes in
         # the autocast dtype, and so does its backward pass, which autocast does not cover: cast explicitly.
-        dtype = None
         if torch.is_autocast_enabled(x.device.type):
             dtype = torch.get_autocast_dtype(x.device.type)
-        if dtype is not None:
             x, weight = x.to(dtype), weight.to(dtype)
             bias = bias.to(dtype) if bias is not None else None
         if fmt is not None:
@@ -753,14 +500,11 @@ class ScaledGEMM(torch.autograd.Function):
         else:
             y = _conv_transpose_forward(x, weight, bias, spec)
         if fmt is not None:
-            y = round_to_format(y, fmt)
+            y = mark_low_precision(round_to_format(y, fmt))
         ctx.has_bias = bias is not None
         ctx.save_for_backward(x, weight)
         if record:
-            state.fwd_weight[point.index] = weight
-            state.n_g[point.index] = y.numel()
-        if fmt is not None:
-            mark_low_precision(y)
+            state.constants.record(point.index, weight, y.numel())
         return y
 
     @staticmethod
@@ -770,167 +514,106 @@ class ScaledGEMM(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, delta):
-        # ``delta`` is already in the gradient format (GradRound rounded it); on a recompute pass GradRound
-        # may also have left its statistics in ``state.grad_stats``, taken in the same pass.
+        # ``delta`` is already in the gradient format (GradRound rounded it).
         x, w = ctx.saved_tensors
         point, state = ctx.point, ctx.state
         alpha_j = state.read_alpha(point.in_slot, point.name)
         k = point.index
-        stats = None
-        if state.grad_stats:
-            entry = state.grad_stats.pop(id(delta), None)
-            if entry is not None and entry[0] is delta:
-                stats = entry[1]
         if ctx.probe is not None:
             ctx.probe.record(delta)
         if delta.dtype != w.dtype:
             delta = delta.to(w.dtype)
-
-        rule = state.rule
-        if state.host and state.recompute:  # a recompute pass on host floats (CPU, native kernels)
-            factors = state.factors_for(k)
-            if factors is None:
-                factors = state.layer_factors(k, w)
-            if stats is None:  # no GradRound before this point (no gradient format, or not FP16)
-                stats = native.grad_stats(delta, False, always=True)[1]
-            beta_t, beta = native.beta_host(factors, stats, rule.flags, *rule.caps, alpha_j)
-            state.beta[k] = beta_t
-            state.beta_host[k] = beta
-            state.alpha[point.out_slot] = alpha_j * beta
-        elif state.host:  # reuse pass with host copies: plain floats, nothing to compute on the device
-            beta = state.beta_host[k]
-            state.alpha[point.out_slot] = alpha_j * beta
+        if state.recompute or (state.host is None and state.beta[k] is None):
+            beta = gemm_beta(state, k, w, delta, alpha_j)
+            state.beta[k] = beta
+        elif state.host is not None:  # a reuse pass with host copies: plain floats
+            beta = state.host.beta[k]
         else:
-            if state.recompute or state.beta[k] is None:
-                beta = ScaledGEMM._device_beta(state, k, w, delta, alpha_j, stats)
-                state.beta[k] = beta
-            else:
-                beta = state.beta[k]
-            state.alpha[point.out_slot] = alpha_j * beta
-
-        return ScaledGEMM._gradients(ctx, delta, x, w, alpha_j, beta)
+            beta = state.beta[k]
+        state.alpha[point.out_slot] = alpha_j * beta
+        return ScaledGEMM._gradients(ctx, delta, x, w, state.root_over(alpha_j), beta)
 
     @staticmethod
-    def _device_beta(state, k, w, delta, alpha_j, stats):
-        """Algorithm 4 on device tensors: the weight's factors (batched over the pass's layers unless the
-        statistics are reduced across ranks), the gradient's statistics (all-reduced under DDP), beta.
-        No host sync and no host-to-device copy (the constants were prepared when the scaler was armed);
-        about a dozen kernels per layer (see :class:`adaloss.adaptive.rules.ScaleRule`)."""
-        n_g = delta.numel()
-        factors = state.factors_for(k) if state.reduce_fn is None else None
-        if factors is None:
-            factors = state.layer_factors(k, w)
-        one = state.one(w)
-        if stats is None:
-            fused = native.grad_stats(delta, round_fp16=False)  # one native pass for a float32 CPU tensor
-            stats = None if fused is None else fused[1]
-        if stats is None:
-            stats = grad_stats(delta, alpha_j, one)
-        else:  # [||delta||, |min|, |max|] from a native pass: the rule's 5-vector
-            peak, alpha = stats[1:].amax(), alpha_j.reshape(()).to(stats.dtype)
-            stats = torch.stack([stats[0], peak, peak, one.to(stats.dtype), alpha])
-        if state.reduce_fn is not None:
-            ms_g, max_g = state.reduce_fn(stats[0].square() / n_g, stats[1])
-            max_g = max_g.reshape(())
-            stats = torch.stack([torch.sqrt(ms_g * n_g).reshape(()), max_g, max_g, stats[3], stats[4]])
-        return gemm_loss_scale(w, delta, state.rule, factors=factors, stats=stats)
-
-    @staticmethod
-    def _gradients(ctx, delta, x, w, alpha_j, beta):
+    def _gradients(ctx, delta, x, w, to_root, beta):
         """Input, weight and bias gradients from the (rounded) ``delta`` and the layer's beta (Algorithm 3).
 
         The input gradient is ``Backprop(beta * delta)``: the gradient is scaled, stored in the gradient
         format (an FP16 product beyond 65504 becomes infinite, as in FP16 training), then multiplied by the
-        weight. The weight and bias gradients come from ``delta`` and are divided by ``alpha_j``.
-
-        One tensor serves both when beta is a host float above 1 and the layer computes in float32/64 (the
-        emulation, float64 checks): ``beta * delta`` is then exact unless it overflows, and the weight
-        gradient computed from it and divided by beta has the same bits as one computed from ``delta``;
-        when it overflows, the weight gradient is infinite too and the step is skipped (the fused C++ nodes
-        do exactly this). Otherwise (a device beta, whose value the host does not know; beta below 1, where
-        the product loses bits; half-precision compute, where ``beta * grad_W`` could overflow) the two
-        come from separate tensors: one more convolution call, the same total work.
+        weight. The weight and bias gradients come from ``delta``, are rounded to the gradient format, and
+        are multiplied by ``to_root = alpha_{N+1} / alpha_j`` in the master dtype, so that they carry the
+        root scale as every parameter gradient does (exact: a power of two).
         """
-        point, state, spec, grad_fmt, fp16 = ctx.point, ctx.state, ctx.spec, ctx.grad_fmt, ctx.fp16
+        point, state, spec, grad_fmt = ctx.point, ctx.state, ctx.spec, ctx.grad_fmt
         grad_x = grad_w = grad_b = None
         needs = ctx.needs_input_grad
         need_x = needs[0]
         need_w = needs[1] or (ctx.has_bias and needs[2])
         need_b = need_w and ctx.has_bias
-        host_beta = isinstance(beta, float)
-        scaled, g_scale = delta, 1.0  # g_scale: what the tensor the weight gradient comes from carries
-        if need_x and not (host_beta and beta == 1.0):
-            scaled = _scaled_gradient(delta, beta, grad_fmt, fp16)
-            if host_beta and beta > 1.0 and delta.dtype in (torch.float32, torch.float64):
-                g_scale = beta
-        separate = scaled is not delta and g_scale == 1.0
+        scaled = delta
+        if need_x and not _is_one(beta):
+            scaled = delta * (beta if isinstance(beta, float) else beta.to(delta.dtype))
+            if grad_fmt is not None:
+                scaled = round_to_format(scaled, grad_fmt)
         if spec["kind"] == "linear":
             if need_x:
                 grad_x = scaled.matmul(w)
             if need_w:
-                src = delta if separate else scaled
-                d2 = src.reshape(-1, src.shape[-1])
+                d2 = delta.reshape(-1, delta.shape[-1])
                 grad_w = d2.t().matmul(x.reshape(-1, x.shape[-1]))
                 grad_b = d2.sum(0) if ctx.has_bias else None
-        elif separate:
+        elif scaled is not delta:
             grad_x = _conv_backward(scaled, x, w, spec, [True, False, False])[0]
             if need_w:
                 _, grad_w, grad_b = _conv_backward(delta, x, w, spec, [False, True, need_b])
         else:
             # One call for both: the weight gradient depends on delta and x only, not on the weight.
-            grad_x, grad_w, grad_b = _conv_backward(scaled, x, w, spec, [need_x, need_w, need_b])
+            grad_x, grad_w, grad_b = _conv_backward(delta, x, w, spec, [need_x, need_w, need_b])
         if need_x:
             if grad_x.dtype is not ctx.x_dtype:
                 grad_x = grad_x.to(ctx.x_dtype)
             if point.feeds is not None:
                 state.fresh[point.feeds] = grad_x
         if need_w:
-            # The low-precision weight gradient reaches the FP32 master copy, then is unscaled there. Every
-            # tensor here is fresh (made by this backward), so dividing in place is safe; alpha (and
-            # g_scale) are powers of two, so dividing equals multiplying by the reciprocal, exactly.
-            master = ctx.w_dtype
-            done = None
-            if fp16 and master == grad_w.dtype and isinstance(alpha_j, float) and _is_pow2(alpha_j):
-                # bring back g_scale, round and unscale in one native pass, in place unless grad_w is a view
-                out = grad_w if grad_w._base is None else None
-                done = native.round_f16(grad_w, out=out, pre=1.0 / g_scale, post=1.0 / alpha_j)
-            if done is not None:
-                grad_w = done
-            else:
-                grad_w = _from_scaled(grad_w, g_scale, grad_fmt, master, alpha_j)
+            grad_w = _to_root(grad_w, grad_fmt, ctx.w_dtype, to_root)
             if grad_b is not None:
-                grad_b = _from_scaled(grad_b, g_scale, grad_fmt, master, alpha_j)
+                grad_b = _to_root(grad_b, grad_fmt, ctx.w_dtype, to_root)
         return grad_x, grad_w, grad_b, None, None, None, None
 
 
-def _scaled_gradient(
-    delta: torch.Tensor, beta: torch.Tensor | float, grad_fmt: Any, fp16: bool
+def gemm_beta(
+    state: AdaptiveState, k: int, w: torch.Tensor, delta: torch.Tensor, alpha_j: torch.Tensor | float
 ) -> torch.Tensor:
-    """``beta * delta`` stored in the gradient format (a new tensor; ``delta`` is already in the format).
+    """Algorithm 4 at GEMM point ``k`` on device tensors: the weight's factors (batched over the pass's
+    layers unless the statistics are reduced across ranks), the gradient's statistics (all-reduced under
+    DDP), then :func:`adaloss.adaptive.rules.gemm_loss_scale`. No host sync and no host-to-device copy
+    (the constants were prepared when the scaler was armed)."""
+    consts = state.constants
+    factors = consts.factors_for(k) if state.reduce_fn is None else None
+    if factors is None:
+        factors = consts.layer_factors(k, w)
+    stats = grad_stats(delta, alpha_j, consts.one(w))
+    if state.reduce_fn is not None:
+        n_g = delta.numel()
+        ms_g, max_g = state.reduce_fn(stats[0].square() / n_g, stats[1])
+        max_g = max_g.reshape(())
+        stats = torch.stack([torch.sqrt(ms_g * n_g).reshape(()), max_g, max_g, stats[3], stats[4]])
+    return gemm_loss_scale(w, delta, state.rule, factors=factors, stats=stats)
 
-    For a host beta and a float32 CPU gradient in emulated FP16, one native pass; otherwise a multiply
-    (in the gradient's own dtype: real half tensors overflow as FP16 does) and, in emulation, a rounding.
-    """
-    if fp16 and isinstance(beta, float):
-        out = native.round_f16(delta, pre=beta)  # delta is FP16-valued: fp16(delta * beta)
-        if out is not None:
-            return out
-    scaled = delta * beta
-    if grad_fmt is not None:
-        scaled = round_to_format(scaled, grad_fmt)
-    return scaled
 
-
-def _from_scaled(
-    grad: torch.Tensor, g_scale: float, grad_fmt: Any, master: torch.dtype, alpha: torch.Tensor | float
+def _to_root(
+    grad: torch.Tensor, grad_fmt: Any, master: torch.dtype, to_root: torch.Tensor | float
 ) -> torch.Tensor:
-    """A weight or bias gradient computed from a gradient carrying ``g_scale`` (beta, or 1): brought back
-    to ``delta``'s scale (exact, a power of two), rounded to the gradient format, divided by ``alpha``."""
-    if g_scale != 1.0:
-        grad = grad.mul_(1.0 / g_scale) if grad._base is None else grad * (1.0 / g_scale)
+    """A parameter gradient computed from ``delta``: rounded to the gradient format, cast to the master
+    dtype and multiplied by ``alpha_{N+1} / alpha_j`` (in place: every tensor here is fresh)."""
     if grad_fmt is not None:
         grad = round_to_format(grad, grad_fmt)
-    return _unscaled(grad, master, alpha)
+    if grad.dtype != master:
+        grad = grad.to(master)
+    elif grad._base is not None:
+        grad = grad.clone()  # a view (e.g. of a reshaped matmul): do not write into its base
+    if _is_one(to_root):
+        return grad
+    return grad.mul_(to_root if isinstance(to_root, float) else to_root.to(master))
 
 
 class GradRound(torch.autograd.Function):
@@ -938,52 +621,32 @@ class GradRound(torch.autograd.Function):
 
     A separate autograd node rather than a step inside :class:`ScaledGEMM`'s backward, for memory: the
     engine frees the unrounded gradient as soon as this node returns, so the GEMM's own backward (whose
-    input gradient is activation-sized) reuses that memory, still warm in cache, as the plain layer's
-    rounding node and convolution backward do. Rounding inside ScaledGEMM kept both alive at once; that cost
-    about 0.25 ms per 3x3 convolution at batch 32 with 32x32x32 activations (measured on one core).
-
-    On a recompute pass it also takes the statistics Algorithm 4 needs in the same pass (native kernels) and
-    leaves them in ``state.grad_stats`` for the ScaledGEMM that receives the rounded tensor. The probe
-    (underflow telemetry) compares the gradient before and after rounding here.
+    input gradient is activation-sized) reuses that memory, as the plain layer's rounding node and
+    convolution backward do. The probe (underflow telemetry) compares the gradient before and after
+    rounding here.
     """
 
     @staticmethod
-    def forward(ctx, y, state, grad_fmt, probe):  # type: ignore[override]
-        ctx.state, ctx.grad_fmt, ctx.probe = state, grad_fmt, probe
-        ctx.fp16 = grad_fmt.dtype is torch.float16
+    def forward(ctx, y, grad_fmt, probe):  # type: ignore[override]
+        ctx.grad_fmt, ctx.probe = grad_fmt, probe
         with torch._C.DisableTorchFunction():
-            out = y.view_as(y)
-            mark_low_precision(out)
-        return out
+            return mark_low_precision(y.view_as(y))
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        if ctx.fp16 and ctx.probe is None and not ctx.state.recompute:  # the common case: just round
-            rounded = native.round_f16(grad)
-            if rounded is not None:
-                return rounded, None, None, None
         with torch._C.DisableTorchFunction():
-            state, fmt = ctx.state, ctx.grad_fmt
-            rounded = stats = None
-            if state.recompute and fmt.dtype is torch.float16 and grad.dtype == torch.float32:
-                fused = native.grad_stats(grad, True, always=state.host)
-                if fused is not None:
-                    rounded, stats = fused
-            if rounded is None:
-                rounded = round_to_format(grad, fmt)
+            rounded = round_to_format(grad, ctx.grad_fmt)
             if ctx.probe is not None:
                 ctx.probe.record(grad, rounded)
-            if stats is not None:
-                state.grad_stats[id(rounded)] = (rounded, stats)
-        return rounded, None, None, None
+        return rounded, None, None
 
     @staticmethod
-    def wrap(y: torch.Tensor, point: GemmPoint, state: AdaptiveState) -> torch.Tensor:
+    def wrap(y: torch.Tensor, point: GemmPoint) -> torch.Tensor:
         """``y`` behind a GradRound node when an emulation with a gradient format is active and grad is on."""
         emu = active_emulation()
         if emu is None or emu.grad_fmt is None or not torch.is_grad_enabled():
             return y
-        return GradRound.apply(y, state, emu.grad_fmt, emu.probe_for(point.name))
+        return GradRound.apply(y, emu.grad_fmt, emu.probe_for(point.name))
 
 
 def _alias(y: torch.Tensor) -> torch.Tensor:
@@ -996,11 +659,11 @@ def _alias(y: torch.Tensor) -> torch.Tensor:
 
 
 class ParamUnscale(torch.autograd.Function):
-    """Identity on a parameter for one of its non-GEMM uses (:class:`UnscalePoint`); the backward pass
-    divides the gradient of that use by the alpha it carries, in the parameter's own dtype, so it joins the
-    GEMM calls' contributions (unscaled by :class:`ScaledGEMM`) in ``.grad`` as a true gradient. Cost: one
-    pass over that gradient (an embedding's weight gradient); no host sync (a device alpha is divided by
-    as a tensor)."""
+    """Identity on a parameter for one of its uses outside a GEMM point (:class:`UnscalePoint`: a tied
+    embedding, a batch norm's affine parameters); the backward pass multiplies the gradient of that use by
+    ``alpha_{N+1} / alpha``, in the parameter's own dtype, so it joins the other contributions in ``.grad``
+    at the root scale, as every parameter gradient leaves the backward pass. Cost: one pass over that
+    gradient (none when the factor is a host 1); no host sync."""
 
     @staticmethod
     def forward(ctx, p, point: UnscalePoint, state: AdaptiveState):  # type: ignore[override]
@@ -1010,12 +673,11 @@ class ParamUnscale(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        alpha = ctx.state.read_alpha(ctx.point.in_slot, ctx.point.name)
+        state = ctx.state
+        factor = state.root_over(state.read_alpha(ctx.point.in_slot, ctx.point.name))
         with torch._C.DisableTorchFunction():
-            if isinstance(alpha, float):
-                grad = grad if alpha == 1.0 else grad / alpha
-            else:
-                grad = grad / alpha.to(grad.dtype)
+            if not _is_one(factor):
+                grad = grad * (factor if isinstance(factor, float) else factor.to(grad.dtype))
         return grad, None, None
 
 
@@ -1087,7 +749,7 @@ def _norm_and_max(t: torch.Tensor, reduce_fn: Any) -> tuple[torch.Tensor, torch.
     """``(||t||, max|t|)`` in the statistics dtype; over all ranks with ``reduce_fn``."""
     red = None if t.dtype in (torch.float32, torch.float64) else torch.float32
     norm = torch.linalg.vector_norm(t, dtype=red)
-    top = _max_magnitude(t).to(norm.dtype)
+    top = max_magnitude(t).to(norm.dtype)
     if reduce_fn is not None:
         n = t.numel()
         ms, top = reduce_fn(norm.square() / n, top)
@@ -1218,17 +880,12 @@ class ScaledProduct(torch.autograd.Function):
         with torch._C.DisableTorchFunction():
             point, state, operands = ctx.point, ctx.state, ctx.operands
             k = point.index
-            if state.grad_stats:  # GradRound's statistics of this gradient: not needed here
-                state.grad_stats.pop(id(delta), None)
             alpha = state.read_alpha(point.in_slot, point.name)
-            if state.recompute or (not state.host and state.beta[k] is None):
+            if state.recompute or (state.host is None and state.beta[k] is None):
                 beta = product_beta(operands.pairs(delta), state.rule, alpha, state.reduce_fn)
                 state.beta[k] = beta
-                if state.host:
-                    beta = float(beta)  # a CPU tensor: the host path runs on host floats
-                    state.beta_host[k] = beta
-            elif state.host:
-                beta = state.beta_host[k]
+            elif state.host is not None:
+                beta = state.host.beta[k]
             else:
                 beta = state.beta[k]
             ctx.operands = None
@@ -1237,21 +894,6 @@ class ScaledProduct(torch.autograd.Function):
             if isinstance(beta, float):
                 return (delta if beta == 1.0 else delta * beta), None, None, None, None
             return delta * beta.to(delta.dtype), None, None, None, None
-
-
-def _is_pow2(value: float) -> bool:
-    """Whether a positive finite float is a power of two (then x / value == x * (1 / value) exactly)."""
-    return 0.0 < value < math.inf and math.frexp(value)[0] == 0.5
-
-
-def _unscaled(grad: torch.Tensor, dtype: torch.dtype, alpha: torch.Tensor | float) -> torch.Tensor:
-    if grad.dtype != dtype:
-        grad = grad.to(dtype)
-    elif grad._base is not None:
-        grad = grad.clone()  # a view (e.g. of a reshaped matmul): do not write into its base
-    if isinstance(alpha, float):
-        return grad if alpha == 1.0 else grad.div_(alpha)
-    return grad.div_(alpha)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -1296,50 +938,13 @@ class Rescale(torch.autograd.Function):
         present = [i for i, g in enumerate(grads) if g is not None]
         if not present:
             return (None, None, *grads)
-        factors: list[Any]
-        if state.host and not state.recompute and state.branch_factors_host[k] is None:
-            raise unplanned_point(point.name)
-        if state.host and state.recompute:  # Algorithm 5 on host floats (CPU, native kernels)
-            alphas = [state.read_alpha(point.in_slots[i], point.name) for i in present]
-            maxima = [native.max_abs_host(grads[i]) for i in present]
-            common = branch_loss_scale_host(alphas, maxima, state.u_max, state.rule.name)
-            factors = [common / a for a in alphas]
-            full = [1.0] * len(grads)
-            for i, f in zip(present, factors, strict=True):
-                full[i] = f
-            state.branch_alpha_host[k] = common
-            state.branch_factors_host[k] = full
-            state.branch_alpha[k] = torch.tensor(common, dtype=torch.float32)
-            state.branch_factors[k] = torch.tensor(full, dtype=torch.float32)
-            state.branch_rescaled[k] = (torch.tensor(alphas, dtype=torch.float32), state.branch_alpha[k])
-        elif state.host:
-            common = state.branch_alpha_host[k]
-            host = state.branch_factors_host[k]
-            factors = [host[i] for i in present]
+        if state.host is not None and not state.recompute:  # reuse pass with host copies: floats
+            common, host = state.host.branch_alpha[k], state.host.branch_factors[k]
+            if host is None:
+                raise unplanned_point(point.name)
+            factors: list[Any] = [host[i] for i in present]
         else:
-            alphas = [state.read_alpha(point.in_slots[i], point.name) for i in present]
-            if state.recompute or state.branch_factors[k] is None:
-                a = torch.stack([x.float().reshape(()) for x in alphas])
-                # one reduction kernel per input for its max magnitude, one to stack them
-                m = torch.stack([_max_magnitude(grads[i]) for i in present]).float()
-                if state.reduce_fn is not None:
-                    m = state.reduce_fn(None, m)[1]
-                common = branch_loss_scale(a, m, state.u_max, state.rule.name)
-                vec = common / a
-                state.branch_alpha[k] = common
-                state.branch_rescaled[k] = (a, common)
-                if len(present) == len(grads):
-                    state.branch_factors[k] = vec
-                else:  # element by element: indexing with a list would copy host data to the device
-                    full = torch.ones(len(grads), dtype=vec.dtype, device=vec.device)
-                    for i, v in zip(present, vec.unbind(0), strict=True):
-                        full[i] = v
-                    state.branch_factors[k] = full
-            else:
-                common = state.branch_alpha[k]
-                vec = state.branch_factors[k]
-                if len(present) != len(grads):
-                    vec = torch.stack([vec[i] for i in present])
+            common, vec = branch_scales(state, point, grads, present)
             factors = list(vec.unbind(0))
         state.alpha[point.out_slot] = common
         # A gradient made by a GEMM point feeding this branch directly is ours to write into.
@@ -1377,10 +982,35 @@ class Rescale(torch.autograd.Function):
         return (None, None, *out)
 
 
-def _max_magnitude(x: torch.Tensor) -> torch.Tensor:
-    """max|x| in one reduction (in float32 for half-precision tensors)."""
-    red = None if x.dtype in (torch.float32, torch.float64) else torch.float32
-    return torch.linalg.vector_norm(x, math.inf, dtype=red)
+def branch_scales(
+    state: AdaptiveState, point: BranchPoint, grads: tuple, present: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Branch point ``point``'s common alpha and the factors of its present inputs, as device tensors:
+    Algorithm 5 (:func:`adaloss.adaptive.rules.branch_loss_scale`) on a recompute pass (or where no
+    scales exist yet), the last recompute's otherwise. No host sync."""
+    k = point.index
+    if not (state.recompute or state.branch_factors[k] is None):
+        vec = state.branch_factors[k]
+        if len(present) != len(grads):
+            vec = torch.stack([vec[i] for i in present])
+        return state.branch_alpha[k], vec
+    alphas = [state.read_alpha(point.in_slots[i], point.name) for i in present]
+    a = torch.stack([torch.as_tensor(x).float().reshape(()) for x in alphas])
+    m = torch.stack([max_magnitude(grads[i]) for i in present]).float()  # one reduction per input
+    if state.reduce_fn is not None:
+        m = state.reduce_fn(None, m)[1]
+    common = branch_loss_scale(a, m, state.u_max, state.rule.name)
+    vec = common / a
+    state.branch_alpha[k] = common
+    state.branch_rescaled[k] = (a, common)
+    if len(present) == len(grads):
+        state.branch_factors[k] = vec
+    else:  # element by element: indexing with a list would copy host data to the device
+        full = torch.ones(len(grads), dtype=vec.dtype, device=vec.device)
+        for i, v in zip(present, vec.unbind(0), strict=True):
+            full[i] = v
+        state.branch_factors[k] = full
+    return common, vec
 
 
 def _is_one(factor: torch.Tensor | float) -> bool:

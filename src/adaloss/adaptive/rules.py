@@ -5,8 +5,10 @@ A reader holding the paper finds here, by name:
 * **Algorithm 4**, ``GetGEMMLossScale``, with the post-processing of section 3.2.3: :func:`gemm_loss_scale`
   (device tensors, no host sync) and its two parts, :func:`weight_factors` (the weight's statistics) and
   :meth:`ScaleRule.beta` (the gradient's statistics, the bounds, the power-of-two rounding).
-* **Algorithm 5**, ``GetBranchLossScale``: :func:`branch_loss_scale` (device) and
-  :func:`branch_loss_scale_host` (floats).
+* **Algorithm 5**, ``GetBranchLossScale``: :func:`branch_loss_scale`.
+
+Each is written once, in torch ops, and runs on every device (the CPU emulation included); nothing here
+synchronizes host and device.
 
 Algorithm 3, the backward pass that carries ``<alpha, delta>`` and applies these scales, is
 :class:`adaloss.adaptive.ops.ScaledGEMM` (GEMM layers) and :class:`adaloss.adaptive.ops.Rescale` (branches).
@@ -31,9 +33,7 @@ Two rules (:class:`ScaleRule`, ``scaler.rule``):
     ``allow_below_one``) and rounded down to a power of two; the optional bounds apply as in ``reference``.
     At a branch with no fitting alpha, the smallest incoming alpha (the step then overflows and is skipped).
 
-How the arithmetic is arranged, for speed and for bitwise agreement between the paths that compute it (torch
-ops on any device; the native C kernel of :mod:`adaloss.numerics.native` on host floats; the fused C++ nodes
-of :mod:`adaloss.numerics.fused`): with ``ms(x) = ||x||^2 / n`` the second moment,
+How the arithmetic is arranged, for few kernels per point: with ``ms(x) = ||x||^2 / n`` the second moment,
 ``sigma_p^2 = ms(W) ms(delta)`` (the paper's ``(sigma_w^2 + mu_w^2)(sigma_g^2 + mu_g^2)``), so
 
     lower = A / ||W|| * sqrt(n_g) / ||delta||,   A = u_min sqrt(n_w) / (sqrt(2) erfinv(T_uf) c_F)
@@ -44,8 +44,7 @@ only on the layer (:meth:`ScaleRule.layer_constants`), so they are computed once
 when the scaler is armed, never during a backward pass; the weight's part, ``[A / ||W||, B / max|W|,
 B / max|W|]`` (:func:`weight_factors`), is computed once per recompute pass for all layers together; the
 gradient's part, ``[||delta||, |min delta|, |max delta|]``, comes from one pass over the gradient.
-Every step after that is one float32 operation, the same in every path (see ``beta_from`` in
-``numerics/_fast.c``).
+Every step after that is one float32 operation (:meth:`ScaleRule.beta`).
 """
 
 from __future__ import annotations
@@ -62,7 +61,7 @@ __all__ = [
     "ScaleRule",
     "backward_fan_in",
     "branch_loss_scale",
-    "branch_loss_scale_host",
+    "max_magnitude",
     "gemm_loss_scale",
     "weight_factors",
 ]
@@ -119,8 +118,7 @@ class ScaleRule:
     i.e. :data:`NO_BOUND`). ``allow_below_one`` applies to the ``paper`` rule only (the ``reference`` rule
     lets beta fall below 1 through its overflow and accumulation bounds alone).
 
-    How the steps are arranged (the same float32 operations in :meth:`beta`, in ``beta_from`` of
-    ``numerics/_fast.c`` and in the fused nodes): the weight's factors and the gradient's statistics are
+    How the steps are arranged (:meth:`beta`): the weight's factors and the gradient's statistics are
     5-vectors ``f = [A sqrt(n_g) / ||W||, B / max|W|, B / max|W|, scale cap, accumulation cap]`` and ``s =
     [||delta||, max|delta|, max|delta|, 1, alpha_in]``; ``q = |f / s|`` holds the lower bound, the overflow
     bound twice and the two caps, an infinite or NaN ``q`` is read as 1 (an all-zero gradient or weight has
@@ -148,11 +146,6 @@ class ScaleRule:
     @property
     def reference(self) -> bool:
         return self.name == "reference"
-
-    @property
-    def flags(self) -> int:
-        """The rule as the native kernels take it: bit 0 ``allow_below_one``, bit 1 ``reference``."""
-        return int(self.allow_below_one and not self.reference) | (2 if self.reference else 0)
 
     @property
     def caps(self) -> tuple[float, float]:
@@ -219,14 +212,6 @@ def floor_pow2(x: torch.Tensor) -> torch.Tensor:
     return torch.bitwise_and(x.view(int_dtype), bits).view(x.dtype)
 
 
-def _floor_pow2_host(x: float) -> float:
-    """:func:`floor_pow2` of a positive finite double; 0 for 0."""
-    if not (x > 0 and math.isfinite(x)):
-        return 0.0 if x == 0 else x
-    mantissa, exponent = math.frexp(x)
-    return math.ldexp(0.5, exponent)
-
-
 def weight_factors(weights: list[torch.Tensor], table: torch.Tensor) -> torch.Tensor:
     """The weight's part of Algorithm 4 for several GEMM layers: a ``[len(weights), 5]`` tensor whose row i
     is ``[A'_i / ||W_i||, B_i / max|W_i|, B_i / max|W_i|, scale cap, accumulation cap]`` (see
@@ -234,19 +219,30 @@ def weight_factors(weights: list[torch.Tensor], table: torch.Tensor) -> torch.Te
     ``[len(weights), 4]`` tensor of ``(A'_i, B_i, scale cap, accumulation cap)`` on the weights' device, in
     the statistics' dtype (float32 for low-precision weights, which are reduced in float32; float64 for
     float64 weights), with ``A' = A sqrt(n_g)`` (:meth:`ScaleRule.lower_constant`). Two ``_foreach_norm``
-    calls and three vector ops for all the layers; no host sync, no host-to-device copy. (For float32 CPU
-    weights :func:`adaloss.numerics.native.weight_factors` computes the first three columns in one call.)
+    calls and three vector ops for all the layers; no host sync, no host-to-device copy.
     """
     w0 = weights[0]
     red = None if w0.dtype in (torch.float32, torch.float64) else torch.float32
     if len(weights) == 1:
         norms = torch.linalg.vector_norm(w0, dtype=red).reshape(1)
-        maxs = torch.linalg.vector_norm(w0, math.inf, dtype=red).reshape(1)
+        maxs = max_magnitude(w0).reshape(1)
     else:
         norms = torch.stack(torch._foreach_norm(weights, 2, dtype=red))
-        maxs = torch.stack(torch._foreach_norm(weights, math.inf, dtype=red))
+        maxs = torch.stack([max_magnitude(w) for w in weights])
     upper = table[:, 1] / maxs
     return torch.stack([table[:, 0] / norms, upper, upper, table[:, 2], table[:, 3]], dim=1)
+
+
+def max_magnitude(x: torch.Tensor) -> torch.Tensor:
+    """``max|x|`` as a 0-dim tensor (float32 for half-precision tensors, else ``x``'s dtype); NaN if ``x``
+    holds one, 0 if it is empty. One ``aminmax`` reduction: on the CPU, ``linalg.vector_norm(x, inf)``
+    takes a slow path (1.4 ms against 60 us for 524,288 floats on one core, measured in
+    ``shared/notes/device-path-on-cpu.md``); on CUDA both are one kernel. No host sync."""
+    dtype = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
+    if x.numel() == 0:
+        return torch.zeros((), dtype=dtype, device=x.device)
+    low, high = torch.aminmax(x)
+    return torch.maximum(high, low.neg()).to(dtype)
 
 
 def grad_stats(delta: torch.Tensor, alpha_in: torch.Tensor | float, one: torch.Tensor) -> torch.Tensor:
@@ -255,7 +251,7 @@ def grad_stats(delta: torch.Tensor, alpha_in: torch.Tensor | float, one: torch.T
     the gradient's device (made when the scaler was armed). Three kernels; no host sync."""
     red = None if delta.dtype in (torch.float32, torch.float64) else torch.float32
     norm = torch.linalg.vector_norm(delta, dtype=red)
-    peak = torch.linalg.vector_norm(delta, math.inf, dtype=red)
+    peak = max_magnitude(delta)
     alpha = alpha_in if isinstance(alpha_in, torch.Tensor) else torch.full_like(one, alpha_in)
     return torch.stack([norm, peak, peak, one, alpha.reshape(())]).to(norm.dtype)
 
@@ -317,26 +313,3 @@ def branch_loss_scale(
     else:
         fallback = smallest
     return torch.where(best > 0, best, fallback)
-
-
-def branch_loss_scale_host(
-    alphas: list[float], maxima: list[float], u_max: float, rule: str = "paper"
-) -> float:
-    """:func:`branch_loss_scale` on host floats, with the same result: the alphas are powers of two, so every
-    ``(alpha / alphas[k]) * maxima[k]`` is exact in float32 and in double alike (up to float32 overflow,
-    which fails the ``< u_max`` test either way), and NaN maxima fail it too."""
-    ok = [c for c in alphas if all((c / a) * m < u_max for a, m in zip(alphas, maxima, strict=True))]
-    if ok:
-        return max(ok)
-    smallest = min(alphas)
-    if rule != "reference":
-        return smallest
-    quotients = [mx / a for a, mx in zip(alphas, maxima, strict=True)]
-    if not all(math.isfinite(q) for q in quotients):  # an Inf/NaN gradient: nothing fits
-        return smallest
-    m = max(quotients)
-    t = _floor_pow2_host(u_max / m)
-    if t * m >= u_max:
-        t *= 0.5
-    t = min(t, smallest * 0.5)
-    return t if t > 0 else smallest

@@ -61,14 +61,9 @@ from adaloss.adaptive.ops import (
     Rescale,
     ScaledGEMM,
     UnscalePoint,
-    contiguous,
-    fused_gemm,
-    unplanned_point,
 )
 from adaloss.adaptive.rules import backward_fan_in
 from adaloss.errors import ConfigError
-from adaloss.numerics import fused
-from adaloss.numerics.emulation import active_emulation, is_low_precision, mark_low_precision
 
 __all__ = [
     "AdaptiveTransformError",
@@ -127,29 +122,13 @@ class AdaptiveGEMM(nn.Module):
         self.layer_type = type(layer).__name__
         self.spec = _layer_spec(layer, path)
         self.pad_mode = getattr(layer, "padding_mode", "zeros")
-        self._fused_spec: Any = None  # the C++ layer description, made on first use (False: unsupported)
 
     def forward(self, x: torch.Tensor, point_index: int) -> torch.Tensor:
         if self.pad_mode != "zeros":
             x = F.pad(x, self.layer._reversed_padding_repeated_twice, mode=self.pad_mode)
-        if self.state.fused_mode is not None and torch.is_grad_enabled() and fused.enabled():
-            y = self._fused(x, point_index)
-            if y is not None:
-                return y
         point = self.state.gemms[point_index]
         y = ScaledGEMM.apply(x, self.weight, self.bias, point, self.state, self.spec, torch.is_grad_enabled())
-        return GradRound.wrap(y, point, self.state)
-
-    def fusable(self) -> bool:
-        """Whether this layer has a fused C++ form (conv or linear with numeric padding; not transposed)."""
-        if self._fused_spec is None:
-            self._fused_spec = fused.gemm_spec(self.spec) or False
-        return self._fused_spec is not False
-
-    def _fused(self, x: torch.Tensor, point_index: int) -> torch.Tensor | None:
-        if not self.fusable():
-            return None
-        return fused_gemm(self.state, x, self.weight, self.bias, self._fused_spec, point_index)
+        return GradRound.wrap(y, point)
 
     def extra_repr(self) -> str:
         return f"{self.layer_type}({self.layer.extra_repr()}), adaptive loss scaling"
@@ -164,50 +143,7 @@ class BranchModule(nn.Module):
         object.__setattr__(self, "state", state)
 
     def forward(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        state = self.state
-        if state.fused_mode is not None and torch.is_grad_enabled() and fused.enabled():
-            emu = active_emulation()
-            if emu is not None and emu._fp16 and emu.monitor is None:
-                outs = self._fused(xs)
-                if outs is not None:
-                    state.fused_built = state.fused_mode
-                    # marked as their inputs are (see Rescale.forward); never marks an input itself
-                    return tuple(
-                        mark_low_precision(o) if o is not x and is_low_precision(x) else o
-                        for x, o in zip(xs, outs, strict=True)
-                    )
         return Rescale.apply(self.point, self.state, *xs)
-
-    def _fused(self, xs: tuple[torch.Tensor, ...]) -> list[torch.Tensor] | None:
-        """The fused C++ branch point (:func:`adaloss.numerics.fused.rescale`): the plan's factors on a
-        reuse pass, Algorithm 5 into the state's record on a recompute pass."""
-        state, k = self.state, self.point.index
-        with torch._C.DisableTorchFunction():
-            ok = all(x.dtype is torch.float32 and x.is_cpu for x in xs)
-            shared = len(xs) > 1 and all(x is xs[0] for x in xs)
-            if state.fused_mode == "reuse":
-                if not ok:
-                    return None
-                factors = state.plan.branch[k]  # type: ignore[union-attr]
-                if factors is None:  # no gradient reached this point in the last recompute pass
-                    if any(x.requires_grad for x in xs):
-                        raise unplanned_point(self.point.name)
-                    return list(xs)
-                if all(f == 1.0 for f in factors):
-                    # Nothing to rescale: autograd's own accumulation is this point's backward, so no node
-                    # and no views are made (on ResNet-110 all but one of the 54 points, most steps).
-                    return list(xs)
-                return fused.rescale(list(xs), factors, shared)
-            if not ok:
-                raise RuntimeError(
-                    f"adaptive loss scaling: branch point {self.point.name} got a non-float32 or non-CPU "
-                    "input in emulated FP16; set ADALOSS_FUSED=0 to use the Python nodes"
-                )
-            where = state.record_where["branch"][k]
-            reference = state.rule.reference
-            return fused.rescale(
-                list(xs), [1.0] * len(xs), shared, state.record, where, state.u_max, reference
-            )
 
     def extra_repr(self) -> str:
         return f"{self.point.name}, {len(self.point.in_slots)} consumers"
@@ -218,9 +154,7 @@ class FunctionalGEMM(nn.Module):
     ``nn.MultiheadAttention``'s packed ``in_proj_weight``) as its weight: ``F.linear``, ``F.conv*``,
     ``x @ W``. Algorithm 4 as for a layer (:class:`ScaledGEMM`): the weight and bias come in as graph
     values, so the parameters keep their owners and names, and the weight's gradient flows back through
-    whatever view or tie made it. On reuse passes in emulated FP16 it is a fused C++ node as a layer is
-    (the plan's constants); recompute passes run the Python nodes (``fusable()`` is False: its parameter
-    may also be used elsewhere, by a :class:`ParamUnscaleModule` that reads the alphas in Python)."""
+    whatever view or tie made it."""
 
     pad_mode = "zeros"
 
@@ -229,25 +163,13 @@ class FunctionalGEMM(nn.Module):
         object.__setattr__(self, "state", state)
         self.spec = spec
         self.name = name
-        self._fused_spec: Any = None  # the C++ GEMM description, made on first use (False: unsupported)
 
     def forward(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, point_index: int
     ) -> torch.Tensor:
-        state = self.state
-        # (a transposed view, from ``x @ W``, stays in Python: the C++ rounding takes contiguous tensors)
-        if state.fused_mode == "reuse" and torch.is_grad_enabled() and fused.enabled() and contiguous(weight):
-            if self._fused_spec is None:
-                self._fused_spec = fused.gemm_spec(self.spec) or False
-            y = fused_gemm(state, x, weight, bias, self._fused_spec, point_index)
-            if y is not None:
-                return y
         point = self.state.gemms[point_index]
         y = ScaledGEMM.apply(x, weight, bias, point, self.state, self.spec, torch.is_grad_enabled())
-        return GradRound.wrap(y, point, self.state)
-
-    def fusable(self) -> bool:
-        return False
+        return GradRound.wrap(y, point)
 
     def extra_repr(self) -> str:
         return f"{self.name}: {self.spec['kind']} with a parameter weight, adaptive loss scaling"
@@ -265,19 +187,17 @@ class ParamUnscaleModule(nn.Module):
     def forward(self, p: torch.Tensor) -> torch.Tensor:
         return ParamUnscale.apply(p, self.point, self.state)
 
-    def fusable(self) -> bool:
-        return False
-
     def extra_repr(self) -> str:
         return f"{self.point.name}, unscaled by its own alpha"
 
 
 class UnscaledParams(nn.Module):
-    """A module (``nn.Embedding``) holding a parameter that a GEMM point also multiplies by (tied input and
-    output embeddings): it runs unchanged (``torch.func.functional_call``) with that parameter behind a
-    :class:`ParamUnscale` per call, so each call's contribution to the gradient is unscaled by its own
-    alpha. Registers the wrapped module's own parameters, buffers and children under the same names, so
-    ``state_dict()`` keys do not change. Cost: the swap of the parameter per call (tens of microseconds)."""
+    """A module outside the GEMM points that holds parameters (a batch norm, an ``nn.Embedding`` whose
+    weight the output projection shares): it runs unchanged with each parameter behind a
+    :class:`ParamUnscale` per call, so each call's contribution to the gradient is brought to the root
+    scale by its own alpha. Registers the wrapped module's own parameters, buffers and children under the
+    same names, so ``state_dict()`` keys do not change. Cost: the swap of the parameter tables per call
+    (a few microseconds) and one multiply per parameter gradient in the backward pass."""
 
     def __init__(self, module: nn.Module, shared: list[str], state: AdaptiveState) -> None:
         super().__init__()
@@ -294,14 +214,18 @@ class UnscaledParams(nn.Module):
         self.calls: list[list[UnscalePoint]] = []  # per call of the module, one point per shared parameter
 
     def forward(self, *args: Any, _adaloss_call: int = 0, **kwargs: Any) -> Any:
-        swapped = {
-            name: ParamUnscale.apply(self.module.get_parameter(name), point, self.state)
-            for name, point in zip(self.shared, self.calls[_adaloss_call], strict=True)
-        }
-        return torch.func.functional_call(self.module, swapped, args, kwargs)
-
-    def fusable(self) -> bool:
-        return False
+        owners = [self.module.get_submodule(name.rpartition(".")[0]) for name in self.shared]
+        saved = [owner._parameters for owner in owners]
+        try:
+            for owner, name, point in zip(owners, self.shared, self.calls[_adaloss_call], strict=True):
+                leaf = name.rpartition(".")[2]
+                p = owner._parameters[leaf]
+                # a copy of the owner's parameter table with this call's view in it, restored below
+                owner._parameters = {**owner._parameters, leaf: ParamUnscale.apply(p, point, self.state)}
+            return self.module(*args, **kwargs)
+        finally:
+            for owner, table in zip(owners, saved, strict=True):
+                owner._parameters = table
 
     def extra_repr(self) -> str:
         return f"{type(self.module).__name__}, {', '.join(self.shared)} unscaled per call"
@@ -424,8 +348,10 @@ def attach_adaptive(model: nn.Module, state: AdaptiveState, product_betas: bool 
     """Trace ``model`` and return the rewritten module (sharing ``model``'s parameters and buffers).
 
     ``product_betas``: activation-by-activation products and attention calls get a beta of their own
-    (:class:`~adaloss.adaptive.ops.ScaledProduct`); without, alpha passes through them unchanged (and a
-    model whose GEMMs all have fused forms keeps the fused C++ nodes).
+    (:class:`~adaloss.adaptive.ops.ScaledProduct`); without, alpha passes through them unchanged.
+
+    The rewrite runs as named passes over the traced graph (:class:`_Rewrite`): GEMM points, parameter
+    uses, branch points, writable copies, slots and the branches' fed inputs.
     """
     tracer = AdaptiveTracer()
     try:
@@ -439,297 +365,307 @@ def attach_adaptive(model: nn.Module, state: AdaptiveState, product_betas: bool 
             f"({type(exc).__name__}: {first_line}). Make the untraceable part a leaf module or remove "
             "control flow that depends on tensor values"
         ) from exc
-    gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
-    graph = gm.graph
-    modules = dict(gm.named_modules())
-    branch_nodes: dict[fx.Node, BranchPoint] = {}
-    gemm_nodes: dict[fx.Node, Any] = {}
-    weight_args: dict[fx.Node, set[fx.Node]] = {}  # GEMM node -> its weight and bias argument nodes
-    leaf_nodes: dict[fx.Node, LeafGEMMs] = {}
-    unscale_nodes: dict[fx.Node, UnscalePoint] = {}  # ParamUnscale nodes on uses of GEMM parameters
-    tied_nodes: dict[fx.Node, list[UnscalePoint]] = {}  # calls of modules holding a GEMM parameter
-    calls: Counter[str] = Counter()  # one name counter for every kind of GEMM point
-
-    def point_name(base: str) -> str:
-        k = calls[base]
-        calls[base] += 1
-        return base if k == 0 else f"{base}#{k}"
-
-    # 1. GEMM points, in network order ---------------------------------------------------------------
-    wrappers: dict[str, AdaptiveGEMM] = {}
-    point_modules: list[nn.Module] = []
-    gemm_params: dict[int, nn.Parameter] = {}  # every parameter a GEMM point multiplies by (or adds)
-    weight_params: dict[int, nn.Parameter] = {}  # the parameters under GEMM weights
-    chains: set[fx.Node] = set()  # nodes that hold a parameter (or a fixed view of one) a GEMM uses
-    products: list[fx.Node] = []
-
-    def own(w_chain: list[fx.Node], b_chain: list[fx.Node]) -> None:
-        """Record the parameters behind a GEMM's weight and bias chains."""
-        chains.update(w_chain)
-        chains.update(b_chain)
-        for chain in (w_chain, b_chain):
-            if chain:
-                p = _get_attr(gm, chain[0].target)
-                gemm_params[id(p)] = p
-        root = _get_attr(gm, w_chain[0].target)
-        weight_params[id(root)] = root
-
-    def replace(node: fx.Node, target: str, module: nn.Module, args: tuple, kwargs: dict) -> fx.Node:
-        gm.add_submodule(target, module)
-        with graph.inserting_before(node):
-            new = graph.call_module(target, args, kwargs)
-        new.meta = dict(node.meta)
-        node.replace_all_uses_with(new)
-        graph.erase_node(node)
-        return new
-
-    for node in list(graph.nodes):
-        # a. a call of a conv/linear module
-        if node.op == "call_module" and isinstance(modules.get(node.target), GEMM_TYPES):
-            layer = modules[node.target]
-            if node.kwargs or len(node.args) != 1:
-                raise AdaptiveTransformError(
-                    f"layer '{node.target}' is called with extra arguments ({type(layer).__name__} with "
-                    "output_size?), which the adaptive scaler does not support"
-                )
-            if node.target not in wrappers:
-                wrappers[node.target] = AdaptiveGEMM(layer, state, node.target)
-                point_modules.append(wrappers[node.target])
-                for p in wrappers[node.target].parameters():
-                    gemm_params[id(p)] = p
-                weight_params[id(layer.weight)] = layer.weight
-            wrapper = wrappers[node.target]
-            fan_in = backward_fan_in(wrapper.spec["kind"], layer.weight.shape, wrapper.spec.get("groups", 1))
-            point = state.add_gemm(point_name(node.target), fan_in, layer.weight.numel())
-            node.args = (node.args[0], point.index)
-            gemm_nodes[node] = point
-            weight_args[node] = set()
-            continue
-        # b. F.linear / F.conv* / x @ W whose weight is a parameter or a fixed view of one
-        call = _functional_gemm(gm, node)
-        if call is not None:
-            x, w, b, spec, value, transpose = call
-            w_chain = _param_chain(gm, w)
-            b_chain = _param_chain(gm, b) if b is not None else []
-            if transpose:  # x @ W computes F.linear(x, W^T)
-                with graph.inserting_before(node):
-                    w = graph.call_method("t", (w,))
-                w_chain = [*w_chain, w]
-                value = value.t()
-            fan_in = backward_fan_in(spec["kind"], value.shape, spec.get("groups", 1))
-            point = state.add_gemm(point_name(_weight_name(w_chain[0].target)), fan_in, value.numel())
-            module = FunctionalGEMM(state, spec, point.name)
-            new = replace(node, f"_adaloss_gemm_{point.index}", module, (x, w, b, point.index), {})
-            gemm_nodes[new] = point
-            weight_args[new] = {w} if b is None else {w, b}
-            own(w_chain, b_chain)
-            point_modules.append(module)
-            continue
-        # c. a call of a function fx keeps as a leaf that holds GEMMs (Swin's attention)
-        if node.op == "call_function" and node.target in LEAF_GEMMS:
-            entry = LEAF_GEMMS[node.target]
-            bound = inspect.signature(node.target).bind(*node.args, **node.kwargs).arguments
-            points = []
-            for w_name, b_name, _ in entry["gemms"]:
-                w, b = bound.get(w_name), bound.get(b_name)
-                w_chain = _param_chain(gm, w)
-                b_chain = _param_chain(gm, b) if b is not None else []
-                if not w_chain or b_chain is None:
-                    raise AdaptiveTransformError(
-                        f"{node.target.__qualname__} at '{_module_path(node)}' is called with {w_name} or "
-                        f"{b_name} not a parameter; the adaptive scaler needs parameters there"
-                    )
-                value = _chain_value(gm, w)
-                name = point_name(_weight_name(w_chain[0].target))
-                points.append(
-                    state.add_gemm(name, backward_fan_in("linear", value.shape), value.numel()).index
-                )
-                own(w_chain, b_chain)
-            leaf = LeafGEMMs(node.target, entry, points, state, _module_path(node) or node.name)
-            new = replace(node, f"_adaloss_leaf_{len(leaf_nodes)}", leaf, node.args, node.kwargs)
-            leaf_nodes[new] = leaf
-            point_modules.append(leaf)
-            continue
-        # d. an activation-by-activation product or an attention call: Algorithm 4 with the operands
-        module = _product_module(node, state, tracer, point_name, product_betas)
-        if module is not None:
-            args = node.args[1:] if node.op == "call_function" and node.target is mha_core else node.args
-            new = replace(node, f"_adaloss_product_{len(products)}", module, args, node.kwargs)
-            products.append(new)
-            if module.point_index is not None:
-                gemm_nodes[new] = state.gemms[module.point_index]
-                weight_args[new] = set()
-                point_modules.append(module)
-    for path, wrapper in wrappers.items():
-        _set_submodule(gm, path, wrapper)
-
-    # 2. Other uses of GEMM parameters (a token embedding tied to the output projection): unscaled in the
-    #    backward pass by their own alpha, as each GEMM call's contribution is --------------------------
-    for node in list(graph.nodes):
-        holds = node in chains or (node.op == "get_attr" and id(_get_attr(gm, node.target)) in gemm_params)
-        if not holds:
-            continue
-        for user in list(node.users):
-            if user in chains or node in weight_args.get(user, ()) or _is_nondiff_use(user, node):
-                continue
-            if user in leaf_nodes and _leaf_param_use(user, leaf_nodes[user], node):
-                continue
-            name = _chain_root(node).target
-            point = state.add_unscale(point_name(name))
-            module = ParamUnscaleModule(point, state)
-            target = f"_adaloss_unscale_{point.index}"
-            gm.add_submodule(target, module)
-            with graph.inserting_before(user):
-                new = graph.call_module(target, (node,))
-            user.replace_input_with(node, new)
-            unscale_nodes[new] = point
-            point_modules.append(module)
-    tied_modules: dict[str, UnscaledParams] = {}
-    for node in list(graph.nodes):
-        if node.op != "call_module" or node in gemm_nodes or node.target.startswith("_adaloss_"):
-            continue
-        mod = gm.get_submodule(node.target)
-        shared = [n for n, p in mod.named_parameters() if id(p) in gemm_params]
-        if not shared:
-            continue
-        if node.target not in tied_modules:
-            tied_modules[node.target] = UnscaledParams(mod, shared, state)
-            _set_submodule(gm, node.target, tied_modules[node.target])
-            point_modules.append(tied_modules[node.target])
-        tied = tied_modules[node.target]
-        points = [state.add_unscale(point_name(f"{node.target}.{n}")) for n in shared]
-        node.kwargs = {**node.kwargs, "_adaloss_call": len(tied.calls)}
-        tied.calls.append(points)
-        tied_nodes[node] = points
-
-    # 3. Branch points at values with several consumers ---------------------------------------------
-    metadata: dict[fx.Node, bool] = {}
-    for node in list(graph.nodes):
-        if node.op == "output" or _is_metadata(node, metadata) or _is_container(node):
-            continue
-        if node in chains:
-            continue  # a GEMM weight: each use's gradient is unscaled in the backward pass
-        if node.op == "get_attr":
-            value = _get_attr(gm, node.target)
-            if not isinstance(value, nn.Parameter) or id(value) in gemm_params:
-                continue  # buffers and constants carry no gradient; GEMM parameters are unscaled per use
-        users = _diff_users(node)
-        if len(users) < 2:
-            continue
-        point = state.add_branch(node.name)
-        branch_nodes.update(_insert_branch(gm, graph, point, state, [node] * len(users), users, node))
-
-    # An op that writes into a point's output or a branch alias (``nn.ReLU(inplace=True)`` right after a
-    # conv, ``x += y``) must not write into a view one of our autograd nodes returned: it gets a copy then.
-    aliases = [g for b in branch_nodes for g in b.users]
-    for node in [*gemm_nodes, *leaf_nodes, *aliases]:
-        for user in list(node.users):
-            if _mutates_first_argument(gm, user, node):
-                with graph.inserting_before(user):
-                    copy = graph.call_function(writable, (node,))
-                user.replace_input_with(node, copy)
-
-    # 4. Slots, from the outputs back to the inputs --------------------------------------------------
-    slot: dict[fx.Node, int | None] = {}
-
-    def user_slot(user: fx.Node, node: fx.Node) -> int | None:
-        if user.op == "output":
-            return 0
-        if user in gemm_nodes:
-            return None if node in weight_args[user] else gemm_nodes[user].out_slot
-        if user in leaf_nodes:
-            return _leaf_arg_slot(user, node, leaf_nodes[user], state)
-        if user in branch_nodes:
-            return branch_nodes[user].out_slot
-        if user in unscale_nodes:
-            return None  # the parameter behind ParamUnscale: its gradient arrives unscaled
-        return slot.get(user)
-
-    for node in reversed(list(graph.nodes)):
-        if node.op == "output" or _is_metadata(node, metadata):
-            continue  # sizes and shapes carry no gradient (and may feed ops on both sides of a GEMM)
-        if node in branch_nodes:
-            point = branch_nodes[node]
-            getitems = sorted(node.users, key=lambda g: g.args[1])
-            point.in_slots = [slot.get(g) if slot.get(g) is not None else 0 for g in getitems]
-            continue
-        users = _diff_users(node)
-        if _is_container(node) and len(users) > 1:
-            slots = {slot.get(g) for g in users} - {None}
-            if len(slots) > 1:  # outputs of one op reach points with different alphas: rescale them
-                prev = node  # the outputs right after the op, so the branch precedes all their consumers
-                for g in sorted(users, key=lambda g: _position(graph, g)):
-                    prev.append(g)
-                    prev = g
-                point = state.add_branch(f"{node.name}.outputs")
-                inserted = _insert_branch(gm, graph, point, state, users, None, None)
-                point.in_slots = [slot[g] for g in users]
-                for g in users:
-                    slot[g] = point.out_slot
-                branch_nodes.update(inserted)
-                slot[node] = point.out_slot
-            else:
-                slot[node] = slots.pop() if slots else None
-            continue
-        slots = {user_slot(u, node) for u in users} - {None}
-        if len(slots) > 1:
-            raise AdaptiveTransformError(
-                f"internal error: value '{node.name}' has gradients with different scales but no branch point"
-            )
-        slot[node] = slots.pop() if slots else None
-    for node, point in gemm_nodes.items():
-        point.in_slot = slot.get(node) if slot.get(node) is not None else 0
-    for node, leaf in leaf_nodes.items():
-        after = slot.get(node) if slot.get(node) is not None else 0
-        for k in reversed(leaf.points):  # the last GEMM receives the call's output gradient
-            state.gemms[k].in_slot = after
-            after = state.gemms[k].out_slot
-    for node, points in [*((n, [p]) for n, p in unscale_nodes.items()), *tied_nodes.items()]:
-        for point in points:
-            point.in_slot = slot.get(node) if slot.get(node) is not None else 0
-    # GEMM calls whose input is directly one alias of a shared-value branch (and nothing else reads that
-    # alias): their input gradient reaches the branch's backward unshared, so it may accumulate into it.
-    for node, point in gemm_nodes.items():
-        src = node.args[0]
-        if not (isinstance(src, fx.Node) and src.op == "call_function" and src.target is operator.getitem):
-            continue
-        branch = src.args[0]
-        if branch not in branch_nodes or len(src.users) != 1:
-            continue
-        if getattr(_get_attr(gm, node.target), "pad_mode", None) != "zeros":
-            continue  # a product (no ScaledGEMM), or F.pad sits between the alias and the GEMM
-        point.feeds = (branch_nodes[branch].index, src.args[1])
-
-    # Parameters of non-GEMM ops are scaled by the alpha of their op's output gradient.
-    param_slot: dict[int, tuple[str, int]] = {}
-    for node in graph.nodes:
-        params: list[tuple[str, nn.Parameter]] = []
-        if node.op == "call_module" and node not in gemm_nodes and node not in branch_nodes:
-            mod = gm.get_submodule(node.target)
-            params = [(f"{node.target}.{n}", p) for n, p in mod.named_parameters()]
-        elif node.op == "get_attr":
-            value = _get_attr(gm, node.target)
-            if isinstance(value, nn.Parameter):
-                params = [(node.target, value)]
-        s = slot.get(node)
-        for name, p in params:
-            if id(p) in gemm_params or s is None:
-                continue  # GEMM parameters are unscaled in the backward pass, use by use
-            if id(p) in param_slot and param_slot[id(p)][1] != s:
-                raise AdaptiveTransformError(
-                    f"parameter '{name}' is used by a module called more than once at points with different "
-                    "loss scales; the adaptive scaler supports repeated calls of conv/linear layers only"
-                )
-            param_slot[id(p)] = (name, s)
-    state.param_slots = {name: s for name, s in param_slot.values()}
-    state.param_slot_by_id = {pid: s for pid, (_, s) in param_slot.items()}
-    state.unscaled_params = list(gemm_params.values())
-    state.gemm_weight_params = list(weight_params.values())
-    state.point_modules = point_modules
-
-    graph.lint()
+    rewrite = _Rewrite(fx.GraphModule(tracer.root, graph, type(model).__name__), state, tracer)
+    rewrite.gemm_points(product_betas)
+    rewrite.parameter_uses()
+    rewrite.branch_points()
+    rewrite.writable_copies()
+    rewrite.slots()
+    rewrite.fed_branches()
+    state.gemm_weight_params = list(rewrite.weight_params.values())
+    gm = rewrite.gm
+    gm.graph.lint()
     gm.recompile()
     return gm
+
+
+class _Rewrite:
+    """The passes of :func:`attach_adaptive` over one traced module, and the tables they share."""
+
+    def __init__(self, gm: fx.GraphModule, state: AdaptiveState, tracer: AdaptiveTracer) -> None:
+        self.gm, self.graph, self.state, self.tracer = gm, gm.graph, state, tracer
+        self.gemm_nodes: dict[fx.Node, Any] = {}
+        self.weight_args: dict[fx.Node, set[fx.Node]] = {}  # GEMM node -> its weight and bias arguments
+        self.leaf_nodes: dict[fx.Node, LeafGEMMs] = {}
+        self.branch_nodes: dict[fx.Node, BranchPoint] = {}
+        self.unscale_nodes: dict[fx.Node, UnscalePoint] = {}  # ParamUnscale nodes on parameter uses
+        self.tied_nodes: dict[fx.Node, list[UnscalePoint]] = {}  # calls of modules holding parameters
+        self.gemm_params: dict[int, nn.Parameter] = {}  # every parameter a GEMM point multiplies or adds
+        self.weight_params: dict[int, nn.Parameter] = {}  # the parameters under GEMM weights
+        self.chains: set[fx.Node] = set()  # nodes holding a parameter (or a fixed view of one) a GEMM uses
+        self.metadata: dict[fx.Node, bool] = {}
+        self.calls: Counter[str] = Counter()  # one name counter for every kind of point
+
+    def point_name(self, base: str) -> str:
+        k = self.calls[base]
+        self.calls[base] += 1
+        return base if k == 0 else f"{base}#{k}"
+
+    def own(self, w_chain: list[fx.Node], b_chain: list[fx.Node]) -> None:
+        """Record the parameters behind a GEMM's weight and bias chains."""
+        self.chains.update(w_chain)
+        self.chains.update(b_chain)
+        for chain in (w_chain, b_chain):
+            if chain:
+                p = _get_attr(self.gm, chain[0].target)
+                self.gemm_params[id(p)] = p
+        root = _get_attr(self.gm, w_chain[0].target)
+        self.weight_params[id(root)] = root
+
+    def replace(self, node: fx.Node, target: str, module: nn.Module, args: tuple, kwargs: dict) -> fx.Node:
+        self.gm.add_submodule(target, module)
+        with self.graph.inserting_before(node):
+            new = self.graph.call_module(target, args, kwargs)
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        self.graph.erase_node(node)
+        return new
+
+    # 1. GEMM points, in network order -------------------------------------------------------------------
+
+    def gemm_points(self, product_betas: bool) -> None:
+        """Every conv/linear call, functional GEMM with a parameter weight, wrapped function holding GEMMs
+        and (with ``product_betas``) activation-by-activation product becomes a point."""
+        modules = dict(self.gm.named_modules())
+        wrappers: dict[str, AdaptiveGEMM] = {}
+        products = 0
+        for node in list(self.graph.nodes):
+            if node.op == "call_module" and isinstance(modules.get(node.target), GEMM_TYPES):
+                self._layer_point(node, modules[node.target], wrappers)
+            elif (call := _functional_gemm(self.gm, node)) is not None:
+                self._functional_point(node, call)
+            elif node.op == "call_function" and node.target in LEAF_GEMMS:
+                self._leaf_points(node)
+            else:
+                module = _product_module(node, self.state, self.tracer, self.point_name, product_betas)
+                if module is None:
+                    continue
+                args = node.args[1:] if node.op == "call_function" and node.target is mha_core else node.args
+                new = self.replace(node, f"_adaloss_product_{products}", module, args, node.kwargs)
+                products += 1
+                if module.point_index is not None:
+                    self.gemm_nodes[new] = self.state.gemms[module.point_index]
+                    self.weight_args[new] = set()
+        for path, wrapper in wrappers.items():
+            _set_submodule(self.gm, path, wrapper)
+
+    def _layer_point(self, node: fx.Node, layer: nn.Module, wrappers: dict[str, AdaptiveGEMM]) -> None:
+        """A call of a conv/linear module."""
+        if node.kwargs or len(node.args) != 1:
+            raise AdaptiveTransformError(
+                f"layer '{node.target}' is called with extra arguments ({type(layer).__name__} with "
+                "output_size?), which the adaptive scaler does not support"
+            )
+        if node.target not in wrappers:
+            wrappers[node.target] = AdaptiveGEMM(layer, self.state, node.target)
+            for p in wrappers[node.target].parameters():
+                self.gemm_params[id(p)] = p
+            self.weight_params[id(layer.weight)] = layer.weight
+        wrapper = wrappers[node.target]
+        fan_in = backward_fan_in(wrapper.spec["kind"], layer.weight.shape, wrapper.spec.get("groups", 1))
+        point = self.state.add_gemm(self.point_name(node.target), fan_in, layer.weight.numel())
+        node.args = (node.args[0], point.index)
+        self.gemm_nodes[node] = point
+        self.weight_args[node] = set()
+
+    def _functional_point(self, node: fx.Node, call: tuple) -> None:
+        """``F.linear`` / ``F.conv*`` / ``x @ W`` whose weight is a parameter or a fixed view of one."""
+        x, w, b, spec, value, transpose = call
+        w_chain = _param_chain(self.gm, w)
+        b_chain = _param_chain(self.gm, b) if b is not None else []
+        if transpose:  # x @ W computes F.linear(x, W^T)
+            with self.graph.inserting_before(node):
+                w = self.graph.call_method("t", (w,))
+            w_chain = [*w_chain, w]
+            value = value.t()
+        fan_in = backward_fan_in(spec["kind"], value.shape, spec.get("groups", 1))
+        point = self.state.add_gemm(self.point_name(_weight_name(w_chain[0].target)), fan_in, value.numel())
+        module = FunctionalGEMM(self.state, spec, point.name)
+        new = self.replace(node, f"_adaloss_gemm_{point.index}", module, (x, w, b, point.index), {})
+        self.gemm_nodes[new] = point
+        self.weight_args[new] = {w} if b is None else {w, b}
+        self.own(w_chain, b_chain)
+
+    def _leaf_points(self, node: fx.Node) -> None:
+        """A call of a function fx keeps as a leaf that holds GEMMs (Swin's attention)."""
+        entry = LEAF_GEMMS[node.target]
+        bound = inspect.signature(node.target).bind(*node.args, **node.kwargs).arguments
+        points = []
+        for w_name, b_name, _ in entry["gemms"]:
+            w, b = bound.get(w_name), bound.get(b_name)
+            w_chain = _param_chain(self.gm, w)
+            b_chain = _param_chain(self.gm, b) if b is not None else []
+            if not w_chain or b_chain is None:
+                raise AdaptiveTransformError(
+                    f"{node.target.__qualname__} at '{_module_path(node)}' is called with {w_name} or "
+                    f"{b_name} not a parameter; the adaptive scaler needs parameters there"
+                )
+            value = _chain_value(self.gm, w)
+            name = self.point_name(_weight_name(w_chain[0].target))
+            points.append(
+                self.state.add_gemm(name, backward_fan_in("linear", value.shape), value.numel()).index
+            )
+            self.own(w_chain, b_chain)
+        leaf = LeafGEMMs(node.target, entry, points, self.state, _module_path(node) or node.name)
+        new = self.replace(node, f"_adaloss_leaf_{len(self.leaf_nodes)}", leaf, node.args, node.kwargs)
+        self.leaf_nodes[new] = leaf
+
+    # 2. Parameter uses outside GEMM points ---------------------------------------------------------------
+
+    def parameter_uses(self) -> None:
+        """Every other use of a parameter (a batch norm's affine parameters, a token embedding tied to the
+        output projection): its gradient is brought to the root scale in the backward pass by its own
+        alpha, as each GEMM call's contribution is, so every parameter gradient leaves the backward pass
+        carrying ``alpha_{N+1}``, as under GradScaler. A parameter read directly gets a
+        :class:`ParamUnscaleModule` per use; a module holding parameters becomes :class:`UnscaledParams`."""
+        gm, graph, state = self.gm, self.graph, self.state
+        for node in list(graph.nodes):
+            is_param = node.op == "get_attr" and isinstance(_get_attr(gm, node.target), nn.Parameter)
+            if not (node in self.chains or is_param):
+                continue
+            for user in list(node.users):
+                if (
+                    user in self.chains
+                    or node in self.weight_args.get(user, ())
+                    or _is_nondiff_use(user, node)
+                ):
+                    continue
+                if user in self.leaf_nodes and _leaf_param_use(user, self.leaf_nodes[user], node):
+                    continue
+                point = state.add_unscale(self.point_name(_chain_root(node).target))
+                target = f"_adaloss_unscale_{point.index}"
+                gm.add_submodule(target, ParamUnscaleModule(point, state))
+                with graph.inserting_before(user):
+                    new = graph.call_module(target, (node,))
+                user.replace_input_with(node, new)
+                self.unscale_nodes[new] = point
+        tied_modules: dict[str, UnscaledParams] = {}
+        for node in list(graph.nodes):
+            if node.op != "call_module" or node in self.gemm_nodes or node.target.startswith("_adaloss_"):
+                continue
+            mod = gm.get_submodule(node.target)
+            shared = [n for n, _ in mod.named_parameters()]
+            if not shared:
+                continue
+            if node.target not in tied_modules:
+                tied_modules[node.target] = UnscaledParams(mod, shared, state)
+                _set_submodule(gm, node.target, tied_modules[node.target])
+            tied = tied_modules[node.target]
+            points = [state.add_unscale(self.point_name(f"{node.target}.{n}")) for n in shared]
+            node.kwargs = {**node.kwargs, "_adaloss_call": len(tied.calls)}
+            tied.calls.append(points)
+            self.tied_nodes[node] = points
+
+    # 3. Branch points at values with several consumers -----------------------------------------------------
+
+    def branch_points(self) -> None:
+        """A value with several differentiable consumers gets a :class:`BranchModule` (Algorithm 5).
+        Parameters have none: each use's gradient is brought to the root scale on its own (pass 2)."""
+        for node in list(self.graph.nodes):
+            if node.op == "output" or _is_metadata(node, self.metadata) or _is_container(node):
+                continue
+            if node in self.chains or node.op == "get_attr":
+                continue  # GEMM weights, parameters (per use), buffers and constants
+            users = _diff_users(node)
+            if len(users) < 2:
+                continue
+            point = self.state.add_branch(node.name)
+            self.branch_nodes.update(
+                _insert_branch(self.gm, self.graph, point, self.state, [node] * len(users), users, node)
+            )
+
+    def writable_copies(self) -> None:
+        """An op that writes into a point's output or a branch alias (``nn.ReLU(inplace=True)`` right after
+        a conv, ``x += y``) must not write into a view one of our autograd nodes returned: it gets a copy."""
+        aliases = [g for b in self.branch_nodes for g in b.users]
+        for node in [*self.gemm_nodes, *self.leaf_nodes, *aliases]:
+            for user in list(node.users):
+                if _mutates_first_argument(self.gm, user, node):
+                    with self.graph.inserting_before(user):
+                        copy = self.graph.call_function(writable, (node,))
+                    user.replace_input_with(node, copy)
+
+    # 4. Slots, from the outputs back to the inputs ---------------------------------------------------------
+
+    def _user_slot(self, user: fx.Node, node: fx.Node, slot: dict[fx.Node, int | None]) -> int | None:
+        if user.op == "output":
+            return 0
+        if user in self.gemm_nodes:
+            return None if node in self.weight_args[user] else self.gemm_nodes[user].out_slot
+        if user in self.leaf_nodes:
+            return _leaf_arg_slot(user, node, self.leaf_nodes[user], self.state)
+        if user in self.branch_nodes:
+            return self.branch_nodes[user].out_slot
+        if user in self.unscale_nodes:
+            return None  # the parameter behind ParamUnscale: its gradient is brought to the root there
+        return slot.get(user)
+
+    def _container_slot(self, node: fx.Node, users: list[fx.Node], slot: dict[fx.Node, int | None]) -> None:
+        """The outputs of one op (split, chunk): a branch point when they reach points of different alphas."""
+        slots = {slot.get(g) for g in users} - {None}
+        if len(slots) <= 1:
+            slot[node] = slots.pop() if slots else None
+            return
+        prev = node  # the outputs right after the op, so the branch precedes all their consumers
+        for g in sorted(users, key=lambda g: _position(self.graph, g)):
+            prev.append(g)
+            prev = g
+        point = self.state.add_branch(f"{node.name}.outputs")
+        inserted = _insert_branch(self.gm, self.graph, point, self.state, users, None, None)
+        point.in_slots = [slot[g] for g in users]
+        for g in users:
+            slot[g] = point.out_slot
+        self.branch_nodes.update(inserted)
+        slot[node] = point.out_slot
+
+    def slots(self) -> None:
+        """Which slot's alpha each point reads: the static wiring of ``<alpha, delta>`` (Algorithm 3)."""
+        slot: dict[fx.Node, int | None] = {}
+        for node in reversed(list(self.graph.nodes)):
+            if node.op == "output" or _is_metadata(node, self.metadata):
+                continue  # sizes and shapes carry no gradient (and may feed ops on both sides of a GEMM)
+            if node in self.branch_nodes:
+                getitems = sorted(node.users, key=lambda g: g.args[1])
+                self.branch_nodes[node].in_slots = [slot.get(g) or 0 for g in getitems]
+                continue
+            users = _diff_users(node)
+            if _is_container(node) and len(users) > 1:
+                self._container_slot(node, users, slot)
+                continue
+            slots = {self._user_slot(u, node, slot) for u in users} - {None}
+            if len(slots) > 1:
+                raise AdaptiveTransformError(
+                    f"internal error: value '{node.name}' has gradients with different scales but no "
+                    "branch point"
+                )
+            slot[node] = slots.pop() if slots else None
+        for node, point in self.gemm_nodes.items():
+            point.in_slot = slot.get(node) or 0
+        for node, leaf in self.leaf_nodes.items():
+            after = slot.get(node) or 0
+            for k in reversed(leaf.points):  # the last GEMM receives the call's output gradient
+                self.state.gemms[k].in_slot = after
+                after = self.state.gemms[k].out_slot
+        for node, points in [*((n, [p]) for n, p in self.unscale_nodes.items()), *self.tied_nodes.items()]:
+            for point in points:
+                point.in_slot = slot.get(node) or 0
+
+    def fed_branches(self) -> None:
+        """GEMM calls whose input is directly one alias of a shared-value branch (and nothing else reads
+        that alias): their input gradient reaches the branch's backward unshared, so it may accumulate
+        into it (:attr:`adaloss.adaptive.ops.GemmPoint.feeds`)."""
+        for node, point in self.gemm_nodes.items():
+            src = node.args[0]
+            if not (
+                isinstance(src, fx.Node) and src.op == "call_function" and src.target is operator.getitem
+            ):
+                continue
+            branch = src.args[0]
+            if branch not in self.branch_nodes or len(src.users) != 1:
+                continue
+            if getattr(_get_attr(self.gm, node.target), "pad_mode", None) != "zeros":
+                continue  # a product (no ScaledGEMM), or F.pad sits between the alias and the GEMM
+            point.feeds = (self.branch_nodes[branch].index, src.args[1])
 
 
 _CONV_FUNCTIONS = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}

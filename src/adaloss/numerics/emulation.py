@@ -26,11 +26,8 @@ inside a fused CUDA kernel (e.g. cuDNN batch norm) may keep intermediates in FP3
 too; ops we classify wrongly would only differ by one rounding. (3) Gradients that autograd sums at a branch
 are summed in FP32 and rounded once where the branch's producer rounds them.
 
-Cost: one rounding pass per stored tensor (the native kernel of :mod:`adaloss.numerics.native` for FP16 on
-the CPU, else two casts) and a small Python overhead per op call; see ``make bench`` for the measured ratio
-against FP32. With FP16 values and gradients, ``conv2d`` or ``linear`` with an FP32 weight skips the
-per-node Python: the weight's, input's and output's rounding nodes and the GEMM become one fused C++
-node with the same values (:func:`adaloss.numerics.fused.gemm`), unless underflow telemetry is on.
+Cost: one rounding pass per stored tensor (:func:`adaloss.numerics.formats.round_to_format`) and a small
+Python overhead per op call; see ``make bench`` for the measured ratio against FP32.
 """
 
 from __future__ import annotations
@@ -44,7 +41,6 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from adaloss.numerics import fused
 from adaloss.numerics.formats import FloatFormat, round_to_format, round_to_format_
 
 __all__ = ["EmulatedAutocast", "active_emulation", "suspended", "Probe", "LayerNames"]
@@ -214,36 +210,6 @@ _FOLLOW_INPUT_OPS = {"batch_norm", "instance_norm", "_batch_norm_impl_index", "n
 _DROPOUT_OPS = {"dropout", "feature_alpha_dropout", "alpha_dropout", "dropout2d", "dropout3d"}
 
 _state = threading.local()
-# conv2d as the emulation sees it (nn.Conv2d calls F.conv2d, the same builtin), and the fused layer
-# descriptions by (stride, padding, dilation, groups)
-_CONV2D = {torch.conv2d, torch.nn.functional.conv2d}
-_CONV_SPECS: dict[Any, Any] = {}
-# linear as the emulation sees it (nn.Linear calls F.linear, which is torch._C._nn.linear)
-_LINEAR = {torch.nn.functional.linear, torch._C._nn.linear}
-
-
-def _fusable_gemm_call(
-    names: tuple[str, ...], args: tuple, kwargs: dict, x_dim: int | None = None, w_dim: int | None = None
-) -> dict[str, Any] | None:
-    """The arguments of a ``conv2d``/``linear`` call by name (``names``: the op's signature), or None
-    when the fused node does not apply: fused nodes off, an unknown argument, an input or weight of
-    another rank, a tensor that is not float32 on the CPU, or a weight or bias already stored in the
-    format (the general path neither rounds it nor its gradient)."""
-    if not fused.enabled() or len(args) > len(names) or any(k not in names for k in kwargs):
-        return None
-    bound = dict(zip(names, args, strict=False))
-    bound.update(kwargs)
-    x, w, b = bound.get("input"), bound.get("weight"), bound.get("bias")
-    if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor):
-        return None
-    if (x_dim is not None and x.dim() != x_dim) or (w_dim is not None and w.dim() != w_dim):
-        return None
-    for t in (x, w) if b is None else (x, w, b):
-        if not isinstance(t, torch.Tensor) or t.dtype is not torch.float32 or not t.is_cpu:
-            return None
-    if is_low_precision(w) or (b is not None and is_low_precision(b)):
-        return None
-    return bound
 
 
 def active_emulation() -> EmulatedAutocast | None:
@@ -433,8 +399,6 @@ class EmulatedAutocast(TorchFunctionMode):
         self.grad_fmt = grad_fmt if grad_fmt is not None else fmt
         self.monitor = monitor
         self._kinds: dict[Any, str] = {}
-        # FP16 storage and gradients: conv2d may take the fused node (see ``_fused_conv2d``)
-        self._fp16 = fmt is not None and fmt.dtype is torch.float16 and self.grad_fmt.dtype is torch.float16
 
     # -- context management: keep a stack so custom ops can find the active emulation -----------------
     def __enter__(self):
@@ -488,15 +452,6 @@ class EmulatedAutocast(TorchFunctionMode):
 
         if kind == "gemm":
             probe = self.probe_for(LAYER_NAMES.current)
-            if probe is None and self._fp16:
-                if func in _CONV2D:
-                    out = self._fused_conv2d(args, kwargs)
-                    if out is not None:
-                        return out
-                elif func in _LINEAR:
-                    out = self._fused_linear(args, kwargs)
-                    if out is not None:
-                        return out
             if fmt is not None:
                 args = tuple(self._cast_input(a) for a in args)
                 kwargs = {k: self._cast_input(v) for k, v in kwargs.items()}
@@ -551,46 +506,6 @@ class EmulatedAutocast(TorchFunctionMode):
                 for o in out
             )
         return out
-
-    def _fused_conv2d(self, args: tuple, kwargs: dict) -> torch.Tensor | None:
-        """``conv2d`` as one fused C++ node (:func:`adaloss.numerics.fused.gemm`) when it applies: FP16
-        storage and gradients, float32 CPU tensors, FP32 weight and bias (rounded here, as
-        ``_cast_input`` would) and numeric padding. The same values as the Python nodes, bit for bit;
-        None to take the general path."""
-        bound = _fusable_gemm_call(
-            ("input", "weight", "bias", "stride", "padding", "dilation", "groups"), args, kwargs, x_dim=4
-        )
-        if bound is None:
-            return None
-        x, w, b = bound["input"], bound["weight"], bound.get("bias")
-        defaults = (("stride", 1), ("padding", 0), ("dilation", 1), ("groups", 1))
-        key = tuple(tuple(v) if isinstance(v, list) else v for v in (bound.get(k, d) for k, d in defaults))
-        spec = _CONV_SPECS.get(key)
-        if spec is None:
-            if isinstance(key[1], str):
-                return None
-            pair = [(v, v) if isinstance(v, int) else tuple(v) for v in key[:3]]
-            layer = dict(kind="conv", stride=pair[0], padding=pair[1], dilation=pair[2], groups=key[3])
-            spec = _CONV_SPECS[key] = fused.gemm_spec(layer)
-        round_x = not is_low_precision(x)
-        out = fused.gemm(x, w, b, spec, round_x, round_x)
-        return mark_low_precision(out)
-
-    def _fused_linear(self, args: tuple, kwargs: dict) -> torch.Tensor | None:
-        """``linear`` as one fused C++ node, as :meth:`_fused_conv2d` does for ``conv2d`` (any input rank:
-        a transformer's (batch, tokens, width) activations included). Bit for bit the general path's
-        values; None to take it."""
-        bound = _fusable_gemm_call(("input", "weight", "bias"), args, kwargs, w_dim=2)
-        if bound is None:
-            return None
-        x, w, b = bound["input"], bound["weight"], bound.get("bias")
-        spec = _CONV_SPECS.get("linear")
-        if spec is None:
-            spec = _CONV_SPECS["linear"] = fused.gemm_spec({"kind": "linear"})
-            if spec is None:
-                return None
-        round_x = not is_low_precision(x)
-        return mark_low_precision(fused.gemm(x, w, b, spec, round_x, round_x))
 
     def _cast_input(self, a: Any) -> Any:
         if isinstance(a, torch.Tensor):

@@ -37,25 +37,13 @@ from pathlib import Path
 
 import torch
 
-__all__ = [
-    "MIN_NUMEL",
-    "available",
-    "beta_host",
-    "disabled",
-    "enabled",
-    "grad_stats",
-    "max_abs_host",
-    "round_f16",
-    "round_scaled_f16",
-    "status",
-    "weight_factors",
-]
+__all__ = ["MIN_NUMEL", "available", "disabled", "enabled", "round_f16", "status"]
 
 log = logging.getLogger(__name__)
 
 # Below this many elements the ctypes call saves nothing over torch's casts; keep those.
 MIN_NUMEL = 64
-_ABI = 10
+_ABI = 11
 _SOURCE = Path(__file__).with_name("_fast.c")
 
 _lock = threading.Lock()
@@ -147,20 +135,8 @@ def _load() -> ctypes.CDLL | None:
             _status = "this CPU lacks AVX2/FMA/F16C"
             return None
         vp, i64 = ctypes.c_void_p, ctypes.c_int64
-        lib.adaloss_round_f16.argtypes = [vp, vp, i64, ctypes.c_float, ctypes.c_float]
+        lib.adaloss_round_f16.argtypes = [vp, vp, i64]
         lib.adaloss_round_f16.restype = None
-        lib.adaloss_round_scaled_f16.argtypes = [vp, vp, i64, ctypes.c_float]
-        lib.adaloss_round_scaled_f16.restype = None
-        ci = ctypes.c_int
-        lib.adaloss_grad_stats.argtypes = [vp, vp, i64, ci, vp]
-        lib.adaloss_grad_stats.restype = None
-        lib.adaloss_weight_factors.argtypes = [vp, vp, vp, vp, i64, vp]
-        lib.adaloss_weight_factors.restype = None
-        cf = ctypes.c_float
-        lib.adaloss_beta.argtypes = [vp, vp, ci, cf, cf, cf, vp]
-        lib.adaloss_beta.restype = ctypes.c_float
-        lib.adaloss_max_abs.argtypes = [vp, i64]
-        lib.adaloss_max_abs.restype = ctypes.c_float
         _lib = lib
         _status = f"loaded {target}"
         return lib
@@ -205,112 +181,12 @@ def _eligible(x: torch.Tensor) -> bool:
     )
 
 
-def round_f16(
-    x: torch.Tensor, out: torch.Tensor | None = None, pre: float = 1.0, post: float = 1.0
-) -> torch.Tensor | None:
-    """``fp16(x * pre) * post`` stored as float32, in one pass; ``out`` may be ``x`` itself (in place).
-
-    With the defaults this is plain rounding to FP16. ``pre`` and ``post`` exist for the adaptive scaler,
-    which scales a weight by its layer's beta before rounding and divides a weight gradient by the layer's
-    alpha after: for powers of two both products are exact, so the result equals torch's separate
-    multiply, cast and divide. Returns None when the kernel does not apply (see the module docstring); the
-    caller then uses torch.
-    """
+def round_f16(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``fp16(x)`` stored as float32, in one pass; ``out`` may be ``x`` itself (in place). Returns None when
+    the kernel does not apply (see the module docstring); the caller then uses torch's casts."""
     if not _eligible(x):
         return None
     if out is None:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    _lib.adaloss_round_f16(x.data_ptr(), out.data_ptr(), x.numel(), pre, post)  # type: ignore[union-attr]
-    return out
-
-
-def round_scaled_f16(x: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor | None:
-    """``fp16(fp16(x) * scale)`` stored as float32, in one pass; ``out`` may be ``x`` (in place).
-
-    Algorithm 3's ``beta * delta`` for a gradient ``x`` that has not been rounded to FP16 yet: the product is
-    stored in FP16 as FP16 training would store it (beyond 65504 it is infinite). None when the kernel does
-    not apply; the caller then uses torch (``round(round(x) * scale)``).
-    """
-    if not _eligible(x):
-        return None
-    if out is None:
-        out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    _lib.adaloss_round_scaled_f16(x.data_ptr(), out.data_ptr(), x.numel(), scale)  # type: ignore[union-attr]
-    return out
-
-
-def grad_stats(
-    x: torch.Tensor, round_fp16: bool, always: bool = False
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """One pass over a gradient for Algorithm 4: ``(v, stats)``.
-
-    ``v`` is ``x`` rounded to FP16 (a new tensor) if ``round_fp16``, else ``x`` itself. ``stats`` is the
-    float32 3-vector ``[||v||_2, |min v|, |max v|]`` (all NaN if any value is NaN; the sum of squares is
-    accumulated in double). Returns None when the kernel does not apply (then use torch ops), unless
-    ``always``: then any float32 CPU tensor qualifies (a non-contiguous one is copied first, no size
-    threshold), as the host recompute pass of the adaptive scaler needs; the caller checks :func:`enabled`.
-    """
-    if always:
-        x = _host_tensor(x, "grad_stats(always=True)")
-    elif not _eligible(x):
-        return None
-    v = torch.empty_like(x, memory_format=torch.contiguous_format) if round_fp16 else x
-    stats = torch.empty(3, dtype=torch.float32)
-    _lib.adaloss_grad_stats(x.data_ptr(), v.data_ptr(), x.numel(), int(round_fp16), stats.data_ptr())  # type: ignore[union-attr]
-    return v, stats
-
-
-def _host_tensor(x: torch.Tensor, what: str) -> torch.Tensor:
-    if _lib is None or x.dtype != torch.float32 or not x.is_cpu:
-        raise RuntimeError(f"{what} needs the native kernels and a float32 CPU tensor")
-    x = x.detach()
-    return x if x.is_contiguous() else x.contiguous()
-
-
-def beta_host(
-    factors: torch.Tensor,
-    stats: torch.Tensor,
-    flags: int,
-    scale_cap: float,
-    accum_cap: float,
-    alpha_in: float,
-) -> tuple[torch.Tensor, float]:
-    """A layer's beta from its weight factors and gradient statistics (float32 CPU tensors; the first three
-    elements of each are read), by the float32 steps of :meth:`adaloss.adaptive.rules.ScaleRule.beta`:
-    ``(beta as a 0-dim tensor, as a float)``. ``flags``, ``scale_cap`` and ``accum_cap`` are the rule's
-    (:attr:`ScaleRule.flags`, :attr:`ScaleRule.caps`); ``alpha_in`` is the scale the layer received.
-    """
-    factors = _host_tensor(factors, "beta_host")
-    stats = _host_tensor(stats, "beta_host")
-    beta = torch.empty((), dtype=torch.float32)
-    value = _lib.adaloss_beta(  # type: ignore[union-attr]
-        factors.data_ptr(), stats.data_ptr(), int(flags), scale_cap, accum_cap, alpha_in, beta.data_ptr()
-    )
-    return beta, float(value)
-
-
-def max_abs_host(x: torch.Tensor) -> float:
-    """``max |x|`` of a float32 CPU tensor as a Python float (NaN if any element is NaN), in one pass.
-    Copies a non-contiguous tensor first. The caller checks :func:`enabled`."""
-    x = _host_tensor(x, "max_abs_host")
-    return float(_lib.adaloss_max_abs(x.data_ptr(), x.numel()))  # type: ignore[union-attr]
-
-
-def weight_factors(weights: list[torch.Tensor], constants: list[tuple[float, float]]) -> torch.Tensor | None:
-    """Algorithm 4's weight factors of several layers in one call: a float32 ``[len(weights), 3]`` tensor
-    whose row i is ``[A_i / ||W_i||, B_i / max|W_i|, B_i / max|W_i|]`` with ``(A_i, B_i) = constants[i]``
-    (see :func:`adaloss.adaptive.rules.weight_factors`), one pass over each weight. None unless every weight
-    is a contiguous float32 CPU tensor (and the kernels are enabled)."""
-    if not (_enabled and available()) or not weights:
-        return None
-    for w in weights:
-        if w.dtype != torch.float32 or not w.is_cpu or not w.is_contiguous() or w.numel() == 0:
-            return None
-    n = len(weights)
-    ptrs = (ctypes.c_void_p * n)(*(w.data_ptr() for w in weights))
-    ns = (ctypes.c_int64 * n)(*(w.numel() for w in weights))
-    a = (ctypes.c_float * n)(*(c[0] for c in constants))
-    b = (ctypes.c_float * n)(*(c[1] for c in constants))
-    out = torch.empty(n, 3, dtype=torch.float32)
-    _lib.adaloss_weight_factors(ptrs, ns, a, b, n, out.data_ptr())  # type: ignore[union-attr]
+    _lib.adaloss_round_f16(x.data_ptr(), out.data_ptr(), x.numel())  # type: ignore[union-attr]
     return out

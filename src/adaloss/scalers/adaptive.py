@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from adaloss.adaptive.ops import AdaptiveState, GradSignature
+from adaloss.adaptive.ops import AdaptiveState, GradSignature, HostScales
 from adaloss.adaptive.rules import REFERENCE_FP16_U_MIN, RULES, ScaleRule
 from adaloss.adaptive.transform import attach_adaptive
 from adaloss.errors import ConfigError
-from adaloss.numerics import fused, native
 from adaloss.numerics.formats import FloatFormat, get_format
 from adaloss.scalers.base import LossScaler, distributed_world_size
 
@@ -142,10 +140,6 @@ class AdaptiveLossScaler(LossScaler):
             ``nn.MultiheadAttention``) a beta of their own, Algorithm 4 with the other operand in the
             weight's place (:func:`adaloss.adaptive.ops.product_beta`); ``False``: alpha passes through them
             unchanged.
-        device_path (bool, optional, default=False): take the code path a GPU takes on the CPU too: on
-            recompute steps the statistics, betas and alphas are tensors (no host floats, no fused C++
-            nodes); the steps in between run on host copies of the betas, as on a GPU. For tests and
-            benchmarks of the GPU path; a forward pass under real autocast takes that path anyway.
     """
 
     name = "adaptive"
@@ -166,7 +160,6 @@ class AdaptiveLossScaler(LossScaler):
         rule: str = "reference",
         scale_upper_bound: float | str | None = "auto",
         accum_upper_bound: float | str | None = "auto",
-        device_path: bool = False,
         product_betas: bool = True,
     ) -> None:
         t_uf = _number(t_uf, "scaler.t_uf")
@@ -198,9 +191,6 @@ class AdaptiveLossScaler(LossScaler):
         if not 0 < self.u_min < self.u_max:
             raise ConfigError(f"need 0 < scaler.u_min < scaler.u_max, got {self.u_min} and {self.u_max}")
         super().__init__(device, init_scale=2.0 ** math.floor(math.log2(init_scale)), enabled=enabled)
-        if not isinstance(device_path, bool):
-            raise ConfigError(f"scaler.device_path must be true or false, got {device_path!r}")
-        self.device_path = device_path
         if not isinstance(product_betas, bool):
             raise ConfigError(f"scaler.product_betas must be true or false, got {product_betas!r}")
         self.product_betas = product_betas
@@ -219,8 +209,6 @@ class AdaptiveLossScaler(LossScaler):
         self.growth_interval = growth_interval
         self._init_scale = self._loss_scale
         self.state: AdaptiveState | None = None
-        self._gemm_modules: list[nn.Module] = []
-        self._fused_ok: str | None = None
         self._iteration = 0
         self._force_recompute = True
         self._recomputing = False
@@ -228,11 +216,8 @@ class AdaptiveLossScaler(LossScaler):
         self._consecutive_overflows = 0
         self._clean_steps = 0
         self._pending: dict[str, Any] | None = None
-        self._param_names: dict[int, str] = {}
-        self._gemm_param_ids: set[int] = set()
         self._gemm_weights: list[torch.Tensor] = []
         self._scales_cache: tuple[dict[str, float], dict[str, float]] | None = None
-        self._inverse_cache: dict[tuple[float, torch.device], torch.Tensor] = {}  # host 1/alpha on devices
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any], fmt: FloatFormat | None) -> AdaptiveLossScaler:
@@ -249,7 +234,6 @@ class AdaptiveLossScaler(LossScaler):
             "rule",
             "scale_upper_bound",
             "accum_upper_bound",
-            "device_path",
             "product_betas",
         }
         unknown = sorted(set(cfg.keys()) - known)
@@ -270,7 +254,6 @@ class AdaptiveLossScaler(LossScaler):
             rule=cfg.get("rule", "reference"),
             scale_upper_bound=cfg.get("scale_upper_bound", "auto"),
             accum_upper_bound=cfg.get("accum_upper_bound", "auto"),
-            device_path=cfg.get("device_path", False),
             product_betas=cfg.get("product_betas", True),
         )
 
@@ -293,16 +276,10 @@ class AdaptiveLossScaler(LossScaler):
             state.reduce_fn = _StatisticsReducer(torch.distributed.new_group())
         gm = attach_adaptive(model, state, self.product_betas)
         self.state = state
-        # GEMM parameters' gradients are unscaled in the backward pass, use by use (the transform lists them)
-        self._gemm_param_ids = {id(p) for p in state.unscaled_params}
-        self._param_names = {id(p): n for n, p in gm.named_parameters()}
         self._gemm_weights = list(state.gemm_weight_params)
-        self._gemm_modules = list(state.point_modules)
         # Which tensors need gradients, per forward pass: lets reuse steps skip points no gradient reaches
         # (frozen layers) instead of recomputing every step (see AdaptiveState.start_backward).
         gm.register_forward_pre_hook(GradSignature(state, list(gm.parameters())), with_kwargs=True)
-        self._fused_ok = None
-        self._arm_fused()
         return gm
 
     # ------------------------------------------------------------------ training-loop API
@@ -338,110 +315,14 @@ class AdaptiveLossScaler(LossScaler):
         if recompute:
             # Algorithm 4's per-layer constants on the weights' device: any host-to-device copy happens
             # here, before the backward pass (once per device and dtype).
-            self.state.prepare_constants(self._gemm_weights)
-        self.state.start_backward(
-            self._scale_tensor(device),
-            recompute,
-            root_host=self._loss_scale,
-            host_recompute=recompute and self._host_recompute_ok(device),
-        )
-        if recompute and self.state.fused_mode == "recompute":
-            self.state.fused_mode = None  # further passes of this iteration reuse what this one computes
+            self.state.constants.prepare(self._gemm_weights)
+        self.state.start_backward(self._scale_tensor(device), recompute, root_host=self._loss_scale)
         return super().scale(outputs)
 
     def recompute_next(self) -> None:
         """Recompute the betas on the next step, as after an overflow (for instance after changing the
-        weights by hand, or to time a recompute step). Call it before that step's forward pass: the
-        forward pass is built for the kind of step that follows (see ``_arm_fused``). No host sync."""
+        weights by hand, or to time a recompute step). No host sync."""
         self._force_recompute = True
-        self._arm_fused()
-
-    def _host_recompute_ok(self, device: torch.device) -> bool:
-        """Whether a recompute pass can run on host floats (see ``AdaptiveState.start_backward``): a CPU
-        run with float32 GEMM weights, the native kernels available and no cross-rank reduction. There is
-        no device to wait for on the CPU, so reading the kernels' results as floats costs no sync."""
-        return (
-            device.type == "cpu"
-            and not self.device_path
-            and not self.state.fwd_autocast
-            and self.state.reduce_fn is None
-            and native.enabled()
-            and all(w.dtype == torch.float32 and w.is_cpu for w in self._gemm_weights)
-        )
-
-    def _unscale_grads_(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-        """Check every gradient for Inf/NaN; divide non-GEMM parameters' gradients by their alpha.
-
-        One fused pass per (slot, device, dtype) group, as in ``GradScaler``. No host sync.
-        """
-        state = self.state
-        if state is not None:
-            state.sync_record()
-        groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.dtype == torch.float16:
-                    raise ValueError("refusing to unscale FP16 gradients: keep FP32 parameters")
-                grad = p.grad._values() if p.grad.is_sparse else p.grad
-                if id(p) in self._gemm_param_ids:
-                    slot = None  # already unscaled in the backward pass
-                else:
-                    slot = state.param_slot_by_id.get(id(p), 0) if state is not None else 0
-                groups[(slot, grad.device, grad.dtype)].append(grad)
-        if state is not None and state.host:
-            # Host alphas (a reuse step): group by alpha value rather than slot, so parameters whose
-            # gradients carry the same power of two share one pass.
-            merged: dict[tuple, list[torch.Tensor]] = defaultdict(list)
-            for (slot, device, dtype), grads in groups.items():
-                value = 1.0 if slot is None or state.alpha[slot] is None else float(state.alpha[slot])
-                merged[(value, device, dtype)].extend(grads)
-            groups = merged
-        found: dict[torch.device, torch.Tensor] = {}
-        with torch.no_grad():
-            inverses = self._inverse_alphas(groups)  # one kernel for the device alphas, cached host ones
-            for (key, device, _), grads in groups.items():
-                if device not in found:
-                    found[device] = torch.zeros((), dtype=torch.float32, device=device)
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, found[device], inverses[key, device])
-        if not found:
-            return torch.zeros((), dtype=torch.float32, device=self._fallback_device())
-        flags = list(found.values())
-        combined = flags[0]
-        for f in flags[1:]:
-            combined = combined + f.to(combined.device, non_blocking=True)
-        return combined
-
-    def _inverse_alphas(self, groups: dict[tuple, list[torch.Tensor]]) -> dict[tuple, torch.Tensor]:
-        """``1 / alpha`` of every (slot or host value, device) group of ``_unscale_grads_``, as 0-dim float32
-        tensors on the group's device: the device alphas of a recompute step stacked and inverted in one
-        kernel per device, host values from a cache (a fill kernel the first time a value is seen)."""
-        state = self.state
-        out: dict[tuple, torch.Tensor] = {}
-        device_alphas: dict[torch.device, list[tuple[Any, torch.Tensor]]] = defaultdict(list)
-        for key, device, _ in groups:
-            if (key, device) in out:
-                continue
-            alpha = None
-            if isinstance(key, float):
-                alpha = key
-            elif state is not None and key is not None:
-                alpha = state.alpha[key]
-            if isinstance(alpha, torch.Tensor):
-                device_alphas[device].append((key, alpha))
-                out[key, device] = None  # type: ignore[assignment]  (filled below)
-                continue
-            value = 1.0 if alpha is None else 1.0 / float(alpha)
-            cached = self._inverse_cache.get((value, device))
-            if cached is None:
-                cached = self._inverse_cache[value, device] = torch.full((), value, device=device)
-            out[key, device] = cached
-        for device, pairs in device_alphas.items():
-            stacked = torch.stack([a.reshape(()).to(device=device, dtype=torch.float32) for _, a in pairs])
-            for (key, _), inv in zip(pairs, stacked.reciprocal_().unbind(0), strict=True):
-                out[key, device] = inv
-        return out
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Finish the iteration: count it, and decide what the next one does (see the class docstring).
@@ -492,8 +373,6 @@ class AdaptiveLossScaler(LossScaler):
         self._iteration += 1
         self._scaled_this_iteration = False
         state = self.state
-        if state is not None:
-            state.sync_record()
         if found_inf:
             self._force_recompute = True
             self._consecutive_overflows += 1
@@ -501,8 +380,7 @@ class AdaptiveLossScaler(LossScaler):
             if self._consecutive_overflows >= 2:
                 self._set_loss_scale(max(self._loss_scale * _ALPHA_BACKOFF, 2.0**-24))
             if state is not None:
-                state.drop_host_copies()
-            self._arm_fused()
+                state.host = None
             return
         self._force_recompute = False
         self._consecutive_overflows = 0
@@ -511,69 +389,8 @@ class AdaptiveLossScaler(LossScaler):
             self._set_loss_scale(min(self._loss_scale * _ALPHA_GROWTH, self._init_scale))
             self._clean_steps = 0
             self._force_recompute = True
-        if state is not None and self._recomputing and self.update_every > 1 and not state.host:
-            self._fetch_host_copies()  # (a host recompute pass filled the host copies as it went)
-        self._arm_fused()
-
-    def _arm_fused(self) -> None:
-        """Tell the next forward pass which fused C++ nodes it may build (CPU, float32 weights, emulated
-        FP16; :mod:`adaloss.numerics.fused`): nodes that recompute the scales on host floats if the next
-        iteration recomputes them, else nodes carrying the scales it will reuse (see
-        ``AdaptiveState.arm_record`` and ``arm_plan``). Their forward pass must know which, because the
-        scales a reuse pass applies are built into its nodes."""
-        state = self.state
-        if state is None:
-            return
-        state.plan, state.fused_mode = None, None
-        fusable = self._fusable()
-        if fusable is None:
-            return
-        if self._force_recompute or self._iteration % self.update_every == 0:
-            # Fused recompute nodes share one record of the pass's scales, which a Python node cannot
-            # write into: only a model whose every point has a fused form recomputes with them.
-            if state.reduce_fn is None and fusable == "all":
-                state.arm_record()
-        elif self.update_every > 1:
-            # A reuse pass's scales are fixed before its forward pass, so fused nodes (carrying theirs as
-            # constants) and Python nodes (reading the same plan's alphas as floats) can mix: a GPT's
-            # conv/linear layers run fused beside its attention products and tied head.
-            state.arm_plan(self._loss_scale)
-
-    def _fusable(self) -> str | None:
-        """Which fused C++ nodes the next forward pass may build: ``"all"`` (every point has a fused form:
-        recompute and reuse passes), ``"some"`` (reuse passes only, beside Python nodes for the other
-        points) or None. The weights are checked first and every time (the model may have moved since
-        ``attach()``), so a model on a GPU never compiles the extension (about 25 s and a C++ toolchain,
-        on every rank)."""
-        if self.device_path or not all(w.dtype == torch.float32 and w.is_cpu for w in self._gemm_weights):
-            return None
-        if self._fused_ok is None:  # which layers have a fused form: fixed once attached
-            forms = [m.fusable() for m in self._gemm_modules]
-            if not any(forms) or not fused.available():
-                self._fused_ok = ""
-            else:
-                self._fused_ok = "all" if all(forms) else "some"
-        return (self._fused_ok or None) if fused.enabled() else None
-
-    def _set_loss_scale(self, value: float) -> None:
-        super()._set_loss_scale(value)
-        self._arm_fused()  # a reuse plan is built on the root scale
-
-    def _fetch_host_copies(self) -> None:
-        state = self.state
-        values = [b for b in state.beta if b is not None]
-        values += [f for f in state.branch_factors if f is not None]
-        values += [a for a in state.branch_alpha if a is not None]
-        if not values:
-            return
-        device = values[0].device
-        flat = torch.cat([v.float().reshape(-1).to(device) for v in values]).cpu().tolist()  # the one sync
-        it = iter(flat)
-        state.beta_host = [next(it) if b is not None else 1.0 for b in state.beta]
-        state.branch_factors_host = [
-            [next(it) for _ in range(f.numel())] if f is not None else None for f in state.branch_factors
-        ]
-        state.branch_alpha_host = [next(it) if a is not None else None for a in state.branch_alpha]
+        if state is not None and self._recomputing and self.update_every > 1:
+            state.fetch_host()  # the one sync per recompute
 
     # ------------------------------------------------------------------ telemetry
 
@@ -594,7 +411,6 @@ class AdaptiveLossScaler(LossScaler):
         sync."""
         if self.state is None:
             return {}
-        self.state.sync_record()
         names, flags = [], []
         for point in self.state.branches:
             flag = self.state.rescaled(point.index)
@@ -618,9 +434,8 @@ class AdaptiveLossScaler(LossScaler):
         if self.state is None:
             return {}, {}
         state = self.state
-        state.sync_record()
         entries = []  # (name, kind, value)
-        host_betas = state.beta_host  # the host copies, when the last recompute was fetched (no sync)
+        host_betas = state.host.beta if state.host is not None else None  # fetched copies: no sync
         for point in state.gemms:
             beta = state.beta[point.index]
             if beta is not None and host_betas is not None:
@@ -644,8 +459,6 @@ class AdaptiveLossScaler(LossScaler):
 
     def _extra_state(self) -> dict[str, Any]:
         state = self.state
-        if state is not None:
-            state.sync_record()
         extra: dict[str, Any] = {
             "iteration": self._iteration,
             "force_recompute": self._force_recompute,
@@ -680,8 +493,8 @@ class AdaptiveLossScaler(LossScaler):
         extra["branches"] = [p.name for p in state.branches]
         extra["branch_alphas"] = [None if a is None else host(a)[0] for a in state.branch_alpha]
         extra["branch_factors"] = [host(f) for f in state.branch_factors]
-        extra["beta_host"] = state.beta_host
-        extra["branch_factors_host"] = state.branch_factors_host
+        extra["beta_host"] = state.host.beta if state.host is not None else None
+        extra["branch_factors_host"] = state.host.branch_factors if state.host is not None else None
         return extra
 
     def _load_extra_state(self, saved: dict[str, Any]) -> None:
@@ -690,7 +503,6 @@ class AdaptiveLossScaler(LossScaler):
         self._consecutive_overflows = int(saved.get("consecutive_overflows", 0))
         self._clean_steps = int(saved.get("clean_steps", 0))
         self._init_scale = float(saved.get("init_scale", self._init_scale))
-        self._arm_fused()  # the scales and the iteration changed
         if "betas" in saved:
             self._pending = {
                 k: saved.get(k)
@@ -721,10 +533,12 @@ class AdaptiveLossScaler(LossScaler):
         state.beta = [None if b is None else dev(b).reshape(()) for b in saved["betas"]]
         state.branch_alpha = [None if a is None else dev(a).reshape(()) for a in saved["branch_alphas"]]
         state.branch_factors = [dev(f) for f in saved["branch_factors"]]
-        state.beta_host = saved["beta_host"]
-        state.branch_factors_host = saved["branch_factors_host"]
         # The host branch alphas are the device ones, which the checkpoint holds as floats.
-        state.branch_alpha_host = list(saved["branch_alphas"]) if saved["beta_host"] is not None else None
+        state.host = None
+        if saved["beta_host"] is not None:
+            state.host = HostScales(
+                list(saved["beta_host"]), list(saved["branch_alphas"]), saved["branch_factors_host"]
+            )
         # Points without scales in the checkpoint are fine only under the requires_grad flags they were
         # computed with, which the checkpoint does not hold: a partial state recomputes once.
         state.reach_sig = None
