@@ -1003,8 +1003,9 @@ def count_step_ops(name: str, batch: int, seed: int = 0) -> dict[str, Any]:
             if not scaler.last_step_skipped and getattr(state, "recompute", None) is kind.recompute:
                 out = counter.summary()
                 if state is not None:  # which scales were not 1 (a reuse step's op count depends on it)
-                    out["betas_not_1"] = sum(b != 1.0 for b in state.beta_host or [])
-                    factors = [f for f in state.branch_factors_host or [] if f is not None]
+                    host = state.host
+                    out["betas_not_1"] = sum(b != 1.0 for b in (host.beta if host else []))
+                    factors = [f for f in (host.branch_factors if host else []) if f is not None]
                     out["branches_not_1"] = sum(any(v != 1.0 for v in f) for f in factors)
                 return out
         raise RuntimeError(f"{name}: no clean {kind.key} step in 10 tries (every one overflowed)")

@@ -199,6 +199,8 @@ class AdaptiveState:
         # per branch point, (incoming alphas, common alpha) of the last recompute; see ``rescaled()``
         self.branch_rescaled: list[tuple[torch.Tensor, torch.Tensor] | None] = []
         self.host: HostScales | None = None
+        self.scales: HostScales | None = None  # the floats this pass applies (the host copies, or all 1)
+        self.graph_built = False  # a backward pass of this iteration ran with create_graph=True
         self.recompute = True
         self.reduce_fn: Any = None
         self.constants = LayerConstants(rule)
@@ -252,7 +254,7 @@ class AdaptiveState:
         return any(b is None for b in self.beta) or any(f is None for f in self.branch_factors)
 
     def start_backward(
-        self, root_alpha: torch.Tensor, recompute: bool, root_host: float | None = None
+        self, root_alpha: torch.Tensor, recompute: bool, root_host: float | None = None, plain: bool = False
     ) -> None:
         """Called by ``scaler.scale(loss)``: reset the slots, choose the pass kind, set the root scale.
 
@@ -262,24 +264,40 @@ class AdaptiveState:
         tensors (a second backward pass of a recompute iteration, under gradient accumulation). A pass
         before any betas exist, or with points that the last recompute did not reach while other tensors
         now need gradients, recomputes.
+
+        ``plain``: every beta and branch factor is 1, so every gradient carries ``alpha_{N+1}``. The scaler
+        asks for it after a backward pass of the same iteration that built a graph of its own
+        (``create_graph=True``, GradScaler's gradient-penalty recipe): the gradients of the penalty reach
+        the forward graph's activations at the root scale, where layer-wise alphas would not match them.
         """
         self.alpha = [None] * self.num_slots
         self.fresh = {}
+        if plain:
+            self.recompute = False
+            self.scales = HostScales(
+                [1.0] * len(self.beta),
+                [float(root_host)] * len(self.branches),
+                [[1.0] * len(b.in_slots) for b in self.branches],
+            )
+            self.alpha[0] = float(root_host)
+            return
         missing = self.has_unreached()
         # Points the last recompute pass did not reach may stay without scales while nothing else changed
         # (GradSignature); with no such pass on record, every point needs its scales first.
         if recompute or (missing and (self.reach_sig is None or self.fwd_sig != self.reach_sig)):
             self.recompute = True
-            self.host = None
+            self.host = self.scales = None
             self.reach_sig = self.fwd_sig
         else:
             self.recompute = False
             self.constants.forget_weights()  # no statistics needed: drop the references
-            if root_host is None:
-                self.host = None
-        self.alpha[0] = float(root_host) if self.host is not None else root_alpha
+            self.scales = self.host if root_host is not None else None
+        self.alpha[0] = float(root_host) if self.scales is not None else root_alpha
 
     def read_alpha(self, slot: int, where: str) -> torch.Tensor | float:
+        """The alpha of slot ``slot`` in this pass; notes a pass that builds a graph (``create_graph``)."""
+        if torch.is_grad_enabled():
+            self.graph_built = True
         a = self.alpha[slot]
         if a is None:
             raise RuntimeError(
@@ -523,11 +541,11 @@ class ScaledGEMM(torch.autograd.Function):
             ctx.probe.record(delta)
         if delta.dtype != w.dtype:
             delta = delta.to(w.dtype)
-        if state.recompute or (state.host is None and state.beta[k] is None):
+        if state.recompute or (state.scales is None and state.beta[k] is None):
             beta = gemm_beta(state, k, w, delta, alpha_j)
             state.beta[k] = beta
-        elif state.host is not None:  # a reuse pass with host copies: plain floats
-            beta = state.host.beta[k]
+        elif state.scales is not None:  # a reuse pass with host copies: plain floats
+            beta = state.scales.beta[k]
         else:
             beta = state.beta[k]
         state.alpha[point.out_slot] = alpha_j * beta
@@ -881,11 +899,11 @@ class ScaledProduct(torch.autograd.Function):
             point, state, operands = ctx.point, ctx.state, ctx.operands
             k = point.index
             alpha = state.read_alpha(point.in_slot, point.name)
-            if state.recompute or (state.host is None and state.beta[k] is None):
+            if state.recompute or (state.scales is None and state.beta[k] is None):
                 beta = product_beta(operands.pairs(delta), state.rule, alpha, state.reduce_fn)
                 state.beta[k] = beta
-            elif state.host is not None:
-                beta = state.host.beta[k]
+            elif state.scales is not None:
+                beta = state.scales.beta[k]
             else:
                 beta = state.beta[k]
             ctx.operands = None
@@ -938,8 +956,10 @@ class Rescale(torch.autograd.Function):
         present = [i for i, g in enumerate(grads) if g is not None]
         if not present:
             return (None, None, *grads)
-        if state.host is not None and not state.recompute:  # reuse pass with host copies: floats
-            common, host = state.host.branch_alpha[k], state.host.branch_factors[k]
+        if torch.is_grad_enabled():
+            state.graph_built = True
+        if state.scales is not None and not state.recompute:  # reuse pass with host copies: floats
+            common, host = state.scales.branch_alpha[k], state.scales.branch_factors[k]
             if host is None:
                 raise unplanned_point(point.name)
             factors: list[Any] = [host[i] for i in present]

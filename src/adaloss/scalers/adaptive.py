@@ -162,6 +162,14 @@ class AdaptiveLossScaler(LossScaler):
         accum_upper_bound: float | str | None = "auto",
         product_betas: bool = True,
     ) -> None:
+        # what a copy is built from (``__getstate__``)
+        self._options = {
+            "device": device, "t_uf": t_uf, "update_every": update_every, "init_scale": init_scale,
+            "fmt": fmt.name if isinstance(fmt, FloatFormat) else fmt, "u_min": u_min, "u_max": u_max,
+            "allow_below_one": allow_below_one, "growth_interval": growth_interval, "enabled": enabled,
+            "rule": rule, "scale_upper_bound": scale_upper_bound, "accum_upper_bound": accum_upper_bound,
+            "product_betas": product_betas,
+        }  # fmt: skip
         t_uf = _number(t_uf, "scaler.t_uf")
         if not 0.0 < t_uf < 1.0:
             raise ConfigError(f"scaler.t_uf must lie strictly between 0 and 1 (e.g. 1e-3), got {t_uf}")
@@ -257,6 +265,29 @@ class AdaptiveLossScaler(LossScaler):
             product_betas=cfg.get("product_betas", True),
         )
 
+    # ------------------------------------------------------------------ copies
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What ``copy.deepcopy`` and ``pickle`` keep: the options and ``state_dict()`` (the scale, the
+        counters, every layer's beta and branch factors), not the binding to a model. One host sync per
+        per-layer device tensor, as ``state_dict``.
+
+        The copy is a scaler of its own: ``attach`` it to a model with the same layers (a copy of the
+        model before it was attached, say) and it continues with the same scales, as a resumed run does;
+        nothing done to the copy reaches the original's model. Like GradScaler's, take a copy between
+        iterations (after ``update()``), not between ``scale()`` and ``update()``."""
+        if self._scaled_this_iteration:
+            raise RuntimeError(
+                "an AdaptiveLossScaler can be copied or pickled between iterations only: call update() first"
+            )
+        return {"options": dict(self._options), "state": self.state_dict(), "scaled": self._has_scaled}
+
+    def __setstate__(self, saved: dict[str, Any]) -> None:
+        self.__init__(**saved["options"])
+        if saved["state"]:
+            self.load_state_dict(saved["state"])
+        self._has_scaled = saved["scaled"]
+
     # ------------------------------------------------------------------ model
 
     def attach(self, model: nn.Module) -> nn.Module:
@@ -316,7 +347,9 @@ class AdaptiveLossScaler(LossScaler):
             # Algorithm 4's per-layer constants on the weights' device: any host-to-device copy happens
             # here, before the backward pass (once per device and dtype).
             self.state.constants.prepare(self._gemm_weights)
-        self.state.start_backward(self._scale_tensor(device), recompute, root_host=self._loss_scale)
+        # after a pass that built a graph (GradScaler's gradient-penalty recipe), a plain pass
+        plain = self.state.graph_built
+        self.state.start_backward(self._scale_tensor(device), recompute, self._loss_scale, plain)
         return super().scale(outputs)
 
     def recompute_next(self) -> None:
@@ -373,6 +406,8 @@ class AdaptiveLossScaler(LossScaler):
         self._iteration += 1
         self._scaled_this_iteration = False
         state = self.state
+        if state is not None:
+            state.graph_built = False
         if found_inf:
             self._force_recompute = True
             self._consecutive_overflows += 1
