@@ -417,7 +417,7 @@ def test_dynamic_state_dict_round_trip_continues_identically() -> None:
     assert state["name"] == "dynamic"
     assert {
         "scale",
-        "growth_tracker",
+        "_growth_tracker",
         "hysteresis_tracker",
         "skipped_steps",
         "overflow_count",
@@ -449,7 +449,7 @@ def test_fixed_state_dict_round_trip_and_mismatch() -> None:
         DynamicLossScaler().load_state_dict(fixed.state_dict())
     with pytest.raises(RuntimeError, match="empty"):
         DynamicLossScaler().load_state_dict({})
-    with pytest.raises(RuntimeError, match="growth_tracker"):
+    with pytest.raises(RuntimeError, match="_growth_tracker"):
         DynamicLossScaler().load_state_dict({k: v for k, v in fixed.state_dict().items() if k != "name"})
 
 

@@ -144,6 +144,8 @@ class LossScaler:
     name: ClassVar[str] = "base"
     #: The argument a number given in ``device``'s place most likely meant (for the error message).
     _number_keyword: ClassVar[str] = "init_scale"
+    #: Whether ``load_state_dict`` takes ``torch.amp.GradScaler``'s state dicts (the scalers with its rule).
+    _accepts_grad_scaler_state: ClassVar[bool] = False
 
     def __init__(
         self, device: str | torch.device | None = None, init_scale: float = 1.0, enabled: bool = True
@@ -348,12 +350,13 @@ class LossScaler:
         return self.get_scale()
 
     def state_dict(self) -> dict[str, Any]:
-        """Return the scaler's state for the checkpoint (``{}`` when disabled).
+        """Return the scaler's state for the checkpoint (``{}`` when disabled, as GradScaler).
 
         Holds ``name``, ``scale``, the counters ``skipped_steps``, ``overflow_count``, ``last_step_skipped``
-        and the subclass's ``_extra_state()``. Hyperparameters (growth factor, interval, ...) come from the
-        config, not from the checkpoint, so a resumed run may change them. Call after ``update()``. No sync
-        here (the adaptive scaler's per-layer state costs one per device tensor: checkpoint steps only).
+        and the subclass's ``_extra_state()`` (``DynamicLossScaler``: GradScaler's ``growth_factor``,
+        ``backoff_factor``, ``growth_interval`` and ``_growth_tracker`` too, so that
+        ``torch.amp.GradScaler().load_state_dict`` takes it). Call after ``update()``. No sync here (the
+        adaptive scaler's per-layer state costs one per device tensor: checkpoint steps only).
         """
         if not self._enabled:
             return {}
@@ -369,25 +372,35 @@ class LossScaler:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a state returned by ``state_dict()`` (a no-op when disabled).
 
+        ``DynamicLossScaler`` also takes ``torch.amp.GradScaler().state_dict()`` (recognized by its
+        ``_growth_tracker`` entry and no ``name``): the scale, growth and backoff factors, growth interval
+        and growth tracker are restored as GradScaler restores them, and the counters start at 0. No sync.
+
         Raises:
-            ConfigError: if the state was saved by a different scaler (e.g. ``dynamic`` into ``fixed``).
+            ConfigError: if the state was saved by a different scaler (e.g. ``dynamic`` into ``fixed``, or a
+                GradScaler state into a scaler without its rule).
             RuntimeError: if the state is empty (saved by a disabled scaler) or lacks an entry.
         """
         if not self._enabled:
             return
         if not state_dict:
             raise RuntimeError("the scaler state is empty, probably saved by a scaler with enabled=False.")
-        saved_name = state_dict.get("name", self.name)
-        if saved_name != self.name:
+        from_grad_scaler = "name" not in state_dict and "_growth_tracker" in state_dict
+        saved_name = "dynamic" if from_grad_scaler else state_dict.get("name", self.name)
+        if saved_name != self.name or (from_grad_scaler and not self._accepts_grad_scaler_state):
+            what = "torch.amp.GradScaler (a dynamic scale)" if from_grad_scaler else f"scaler={saved_name}"
             raise ConfigError(
-                f"the checkpoint holds state of scaler={saved_name} but this run uses scaler={self.name}; "
+                f"the checkpoint holds state of {what} but this run uses scaler={self.name}; "
                 f"resume with scaler={saved_name} or start a fresh run"
             )
         try:
             self._set_loss_scale(float(state_dict["scale"]))
-            self._skipped_steps = int(state_dict["skipped_steps"])
-            self._overflow_count = int(state_dict["overflow_count"])
-            self._last_step_skipped = bool(state_dict["last_step_skipped"])
+            counters = {"skipped_steps": 0, "overflow_count": 0, "last_step_skipped": False}
+            if not from_grad_scaler:  # ours always carry them: a missing one is a damaged state
+                counters = {key: state_dict[key] for key in counters}
+            self._skipped_steps = int(counters["skipped_steps"])
+            self._overflow_count = int(counters["overflow_count"])
+            self._last_step_skipped = bool(counters["last_step_skipped"])
             self._load_extra_state(state_dict)
         except KeyError as missing:
             raise RuntimeError(f"the scaler state has no entry {missing}; was it saved by adaloss?") from None
