@@ -25,6 +25,7 @@ its own.
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 from collections import defaultdict
@@ -265,13 +266,23 @@ class LossScaler:
             ``unscale_``), so a step is skipped on every rank or on none.
 
         .. note::
-            Closures are not supported. Optimizers that can unscale inside a fused kernel
-            (``_step_supports_amp_scaling``) are driven like any other: correct, but unfused.
+            Optimizers that unscale and skip inside their own kernel declare ``_step_supports_amp_scaling =
+            True`` (torch's ``fused=True`` Adam, AdamW, SGD). As GradScaler does, a scaler whose scale is one
+            number (``none``, ``fixed``, ``dynamic``) then hands them ``optimizer.grad_scale`` (the scale,
+            times any ``grad_scale`` the caller set; ``None`` after ``unscale_``) and ``optimizer.found_inf``
+            and always calls ``optimizer.step()``, which divides and skips by itself; the grads are checked
+            but not unscaled first. The sync to read the flag (for ``skipped_steps``) comes after that call.
+            The adaptive scaler's per-layer scales are not one number: it drives such optimizers like any
+            other (correct, but unfused). GradScaler's deprecated ``grad_scaler=`` keyword is refused.
+
+        .. note::
+            Closures are not supported.
 
         Raises:
             ScaleNotCalledError: if no ``scale()`` call has been made yet: GradScaler raises an
                 ``AssertionError`` then, and so does this (the class is both).
-            RuntimeError: for a closure, or a second ``step()`` on ``optimizer`` before ``update()``.
+            RuntimeError: for a closure, a second ``step()`` on ``optimizer`` before ``update()``, or an
+                optimizer whose ``step`` takes GradScaler's deprecated ``grad_scaler`` keyword.
         """
         if not self._enabled:
             self._last_step_skipped = False
@@ -282,17 +293,62 @@ class LossScaler:
         record = self._per_optimizer[id(optimizer)]
         if record.stage is OptState.STEPPED:
             raise RuntimeError("step() has already been called on this optimizer since the last update().")
+        if getattr(optimizer, "_step_supports_amp_scaling", False) and self._scale_is_one_number():
+            return self._step_in_kernel(optimizer, record, args, kwargs)
         if record.stage is OptState.READY:
             self.unscale_(optimizer)
         assert record.found_inf is not None
         found_inf = bool(record.found_inf.item() != 0.0)  # the one host-device sync of the iteration
+        self._record_step(record, found_inf)
+        if found_inf:
+            return None
+        return optimizer.step(*args, **kwargs)
+
+    def _step_in_kernel(
+        self, optimizer: torch.optim.Optimizer, record: _OptimizerRecord, args: tuple, kwargs: dict
+    ) -> Any:
+        """``step()`` for an optimizer with ``_step_supports_amp_scaling``: GradScaler's protocol
+        (torch/amp/grad_scaler.py, ``GradScaler.step``). One host-device sync, after ``optimizer.step()``."""
+        if "grad_scaler" in inspect.signature(optimizer.step).parameters:
+            raise RuntimeError(
+                f"{type(optimizer).__name__}.step takes a grad_scaler= keyword, GradScaler's deprecated "
+                "protocol, which the adaloss scalers do not drive; use an optimizer that reads "
+                "optimizer.grad_scale and optimizer.found_inf (e.g. torch.optim.Adam(fused=True))"
+            )
+        if record.stage is OptState.READY:
+            # check without unscaling (GradScaler's _check_inf_per_device): the kernel divides by grad_scale
+            groups = self._grads_by_device_and_dtype(optimizer, allow_fp16=True)
+            record.found_inf = reduce_found_inf(self._unscale_grad_groups_(groups, 1.0))
+            scale = self._scale_tensor(record.found_inf.device)
+            optimizer.grad_scale = scale * getattr(optimizer, "grad_scale", 1)  # type: ignore[attr-defined]
+        else:  # unscale_() already divided the grads; a grad_scale the caller set stays as it is
+            optimizer.grad_scale = getattr(optimizer, "grad_scale", None)  # type: ignore[attr-defined]
+        assert record.found_inf is not None
+        optimizer.found_inf = record.found_inf  # type: ignore[attr-defined]
+        try:
+            result = optimizer.step(*args, **kwargs)
+        finally:
+            del optimizer.grad_scale  # type: ignore[attr-defined]
+            del optimizer.found_inf  # type: ignore[attr-defined]
+        self._record_step(record, bool(record.found_inf.item() != 0.0))  # the iteration's one sync
+        return result
+
+    def _record_step(self, record: _OptimizerRecord, found_inf: bool) -> None:
+        """Book one ``step()``: the host flag, the stage, ``last_step_skipped`` and ``skipped_steps``."""
         record.found_inf_host = found_inf
         record.stage = OptState.STEPPED
         self._last_step_skipped = found_inf
         if found_inf:
             self._skipped_steps += 1
-            return None
-        return optimizer.step(*args, **kwargs)
+
+    def _scale_is_one_number(self) -> bool:
+        """Whether the gradients carry one scale (this class's ``_scale_tensor`` and ``_unscale_grads_``), so
+        that an optimizer can unscale them in its kernel by ``grad_scale``."""
+        cls = type(self)
+        return (
+            cls._scale_tensor is LossScaler._scale_tensor
+            and cls._unscale_grads_ is LossScaler._unscale_grads_
+        )
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Adjust the loss scale from this iteration's outcome and start the next iteration.
