@@ -208,6 +208,11 @@ class LossScaler:
 
         Args:
             outputs (Tensor or list/tuple of Tensors): Typically the loss; call ``.backward()`` on the result.
+
+        Raises:
+            TypeError: for anything else. A deliberate difference: GradScaler also takes any other iterable
+                and returns a lazy ``map`` over it, which a caller can consume only once; lists and tuples
+                keep their type here, and a generator is refused rather than silently turned into a map.
         """
         if not self._enabled:
             return outputs
