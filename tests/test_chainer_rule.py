@@ -251,3 +251,41 @@ def test_the_mini_forms_of_tables_2_and_3_run_the_chainer_rule(experiment: str) 
     single = [o.split(",")[0] if o.startswith("trainer.batch_size=") else o for o in overrides]
     cfg = compose_train([f"experiment={experiment}", *single, "variant=dynamic"])
     assert (cfg.scaler.rule, cfg.scaler.growth_interval) == ("chainer", 10)
+
+
+# ---------------------------------------------------------------------- through the trainer
+
+RUN = ("model=mlp", "scaler=dynamic", "scaler.rule=chainer", "scaler.growth_interval=3",
+       "trainer.max_steps=8", "trainer.checkpoint_every=4", "trainer.eval_every=8", "trainer.save_final=true",
+       "faults.inject=[{step:3,layer:fc,value:inf},{step:6,layer:fc,value:inf}]")  # fmt: skip
+
+
+def test_training_with_the_chainer_rule_follows_chainer_and_resumes_exactly(make_cfg, tmp_path) -> None:
+    """The trainer builds the rule from the config, skips the two planted overflows, follows Chainer's
+    sequence, and a run resumed from the checkpoint at step 4 (after the first overflow: the slow phase)
+    ends bitwise on the uninterrupted run's weights and scales."""
+    from adaloss.engine import train
+
+    def record(into):
+        return lambda step, model, optimizer, scaler: into.append((step, scaler.state_dict()["exact_scale"]))
+
+    full: list[tuple[int, float]] = []
+    metrics = train(make_cfg(*RUN), callbacks=[record(full)])
+    weights = torch.load(tmp_path / "model.pt", weights_only=True)
+    port = ChainerDynamicPort(3)
+    expected = [port.update(step in (3, 6)) for step in range(1, 9)]
+    # the callback sees completed iterations; the skipped ones (3 and 6) included or not, the scales agree
+    assert [scale for _, scale in full] == [expected[step - 1] for step, _ in full]
+    assert metrics["skipped_steps"] == 2 and metrics["loss_scale"] == _float32(expected[-1])
+    assert (
+        full[-1][0] == 8 and len(full) >= 6 and not full[-1][1].is_integer()
+    )  # in the slow phase at the end
+
+    (tmp_path / "model.pt").unlink()
+    (tmp_path / "metrics.json").unlink()
+    resumed: list[tuple[int, float]] = []
+    checkpoint = tmp_path / "checkpoints" / "step_4.pt"
+    train(make_cfg(*RUN, f"resume={checkpoint}"), callbacks=[record(resumed)])
+    assert resumed == [entry for entry in full if entry[0] > 4]
+    again = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert all(torch.equal(weights[k], again[k]) for k in weights)
