@@ -17,7 +17,9 @@ one-float collective per optimizer per iteration and no extra host sync.
 
 Host-device synchronization, per method (on a GPU the host waits for the device at a sync; on the CPU there
 is nothing to wait for): ``scale``, ``unscale_``, ``attach``, ``is_enabled``, the growth and backoff getters
-and setters: none. ``step``: one, to read the Inf/NaN flag, as in ``GradScaler``. ``update``: none after
+and setters: none. ``step``: one, to read the Inf/NaN flag, as in ``GradScaler`` (also for an optimizer
+that unscales in its own kernel, ``_step_supports_amp_scaling``, where GradScaler has none: the host
+counts skipped steps and updates the scale from the flag). ``update``: none after
 ``step`` (the adaptive scaler: one more on each step that recomputed its scales, with ``update_every > 1``).
 ``get_scale``: none (the scale is a host float; ``GradScaler`` syncs here). Each method's docstring says
 its own.

@@ -115,7 +115,11 @@ class DynamicLossScaler(LossScaler):
     grows until the next overflow); and ``min_scale`` defaults to 1 (``None`` gives GradScaler's unbounded
     backoff). ``state_dict()`` holds GradScaler's entries (``scale``, ``growth_factor``, ``backoff_factor``,
     ``growth_interval``, ``_growth_tracker``) beside its own, and ``load_state_dict`` takes GradScaler's
-    state dicts too, so checkpoints move both ways.
+    state dicts too, so checkpoints move both ways. As GradScaler's does, ``load_state_dict`` restores the
+    growth factor, backoff factor and growth interval from the state, so on resume the checkpoint's values
+    win over the constructor's (call the setters after loading to change them); a state saved before these
+    entries existed keeps the constructor's. The rule is checked, not restored: a checkpoint of the other
+    rule is refused.
 
     Args:
         device (str or torch.device, optional, default=None): As GradScaler's first argument (see
