@@ -534,3 +534,26 @@ def test_copies_work_and_are_independent(kind: str, how: str) -> None:
     assert original.state_dict()["skipped_steps"] == 1  # the copy's steps do not reach the original
     _moved(original, more)
     assert clone.state_dict() == original.state_dict()  # and the two follow the same rule
+
+
+def test_the_adaptive_scaler_drives_fused_optimizers_unfused() -> None:
+    """Per-layer scales are not one number a kernel could divide by: the adaptive scaler unscales the grads
+    itself and steps the optimizer as any other (no grad_scale, no found_inf handed over)."""
+
+    class Recording(torch.optim.SGD):
+        _step_supports_amp_scaling = True
+
+        def step(self, closure=None):
+            self.seen = hasattr(self, "grad_scale") or hasattr(self, "found_inf")
+            return super().step()
+
+    scaler = AdaptiveLossScaler()
+    model, _ = _tiny(scaler)
+    optimizer = Recording(model.parameters(), lr=0.1)
+    reference = AdaptiveLossScaler()
+    reference_model, reference_opt = _tiny(reference)  # plain SGD: no fused protocol
+    for ours, m, opt in ((scaler, model, optimizer), (reference, reference_model, reference_opt)):
+        _iteration(ours, m, opt)
+    assert optimizer.seen is False
+    for a, b in zip(model.parameters(), reference_model.parameters(), strict=True):
+        assert torch.equal(a, b)
