@@ -289,3 +289,24 @@ def test_training_with_the_chainer_rule_follows_chainer_and_resumes_exactly(make
     assert resumed == [entry for entry in full if entry[0] > 4]
     again = torch.load(tmp_path / "model.pt", weights_only=True)
     assert all(torch.equal(weights[k], again[k]) for k in weights)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["scaler.rule=apex"], "scaler.rule must be one of torch, chainer for scaler=dynamic, got 'apex'"),
+        (["scaler.rule=chainer", "scaler.hysteresis=2"], "scaler.rule=chainer backs off on every overflow"),
+        (["scaler.rule=chainer", "scaler.init_scale=1024"], "scaler.rule=chainer starts at scale 1"),
+    ],
+)
+def test_bad_rule_settings_fail_the_config_check_in_one_line(overrides: list[str], message: str) -> None:
+    from omegaconf import open_dict
+
+    from adaloss.utils import validate_config
+
+    cfg = compose_train(["scaler=dynamic", *overrides])
+    with open_dict(cfg):
+        cfg.paths.output_dir = "/tmp/run"
+    with pytest.raises(ConfigError, match=re.escape(message)) as error:
+        validate_config(cfg)
+    assert "\n" not in str(error.value)
