@@ -481,3 +481,24 @@ def test_grad_scaling_scale(kind: str, container: str) -> None:
     expected = {"tensor": [1], "list": [1, 2], "tuple": [1, 2, 3]}[container]
     assert [v.item() for v in flat] == [4.0 * k * scale for k in expected]
     assert type(scaled) is type(CONTAINERS[container](t))
+
+
+def run_preset_grad_scale(data, model, optimizer, scaler, skip_iter, try_scaling_api):
+    """A caller-set ``optimizer.grad_scale`` multiplies the scaler's for a fused optimizer, and is removed
+    after the step (GradScaler.step's product of scales)."""
+    for i, (x, y) in enumerate(data):
+        optimizer.zero_grad()
+        scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+        _poison(model, scaler, i)
+        optimizer.grad_scale = torch.tensor(4.0)
+        scaler.step(optimizer)
+        assert hasattr(optimizer, "grad_scale") is not scaler.is_enabled()  # disabled: a plain step
+        if hasattr(optimizer, "grad_scale"):
+            del optimizer.grad_scale
+        scaler.update()
+    return scaler
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_grad_scaling_with_a_preset_grad_scale(kind: str) -> None:
+    run_against_grad_scaler(kind, run_preset_grad_scale, torch.optim.Adam, {"lr": 0.01, "fused": True})
