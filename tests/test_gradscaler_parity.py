@@ -351,3 +351,209 @@ def test_every_hot_path_method_says_whether_it_syncs(cls) -> None:
         names += ADAPTIVE_EXTRA
     missing = [n for n in names if "sync" not in (inspect.getdoc(getattr(cls, n)) or "").lower()]
     assert not missing, f"{cls.__name__}: no word on host-device syncs in {missing}"
+
+
+# ---------------------------------------------------------------------------------------------- state dicts
+
+
+def _moved(scaler, overflows: list[bool]) -> None:
+    """Drive any GradScaler-like ``scaler`` through ``overflows`` on a 2-element parameter."""
+    param = nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([param], lr=0.1)
+    for bad in overflows:
+        scaler.scale(torch.ones(()))
+        param.grad = torch.tensor([1.0, float("inf") if bad else 1.0])
+        scaler.step(opt)
+        scaler.update()
+
+
+def test_dynamic_loads_grad_scalers_state_dict_and_continues_as_it_does() -> None:
+    theirs = torch.amp.GradScaler(
+        "cpu", init_scale=3.0, growth_factor=4.0, backoff_factor=0.25, growth_interval=3
+    )
+    _moved(theirs, [False, True, False, False, False, False])  # tracker 1 after a growth: mid-interval
+    ours = DynamicLossScaler(init_scale=6.0, growth_factor=7.0, backoff_factor=0.8, growth_interval=1)
+    ours.load_state_dict(theirs.state_dict())
+    assert ours.get_scale() == theirs.get_scale() == 3.0
+    assert (ours.get_growth_factor(), ours.get_backoff_factor(), ours.get_growth_interval()) == (4.0, 0.25, 3)
+    assert ours.growth_tracker == theirs._get_growth_tracker() == 1
+    assert (ours.skipped_steps, ours.overflow_count, ours.last_step_skipped) == (0, 0, False)
+    more = [False, False, True, False, False, False, False]
+    scales = []
+    for scaler in (ours, theirs):
+        _moved(scaler, more)
+        scales.append(scaler.get_scale())
+    assert scales[0] == scales[1]
+
+
+def test_grad_scaler_loads_dynamics_state_dict() -> None:
+    ours = DynamicLossScaler(init_scale=2.0**10, growth_factor=4.0, backoff_factor=0.25, growth_interval=3)
+    _moved(ours, [False, True, False, False, False, False])
+    state = ours.state_dict()
+    assert {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"} <= state.keys()
+    theirs = torch.amp.GradScaler("cpu")
+    theirs.load_state_dict(state)
+    assert theirs.get_scale() == ours.get_scale()
+    assert (theirs.get_growth_factor(), theirs.get_backoff_factor(), theirs.get_growth_interval()) == (
+        4.0,
+        0.25,
+        3,
+    )
+    theirs.scale(torch.ones(()))  # the growth tracker tensor is made lazily, from the loaded value
+    assert theirs._get_growth_tracker() == ours.growth_tracker == 1
+    more = [False, False, True, False, False, False]
+    _moved(theirs, more)
+    _moved(ours, more)
+    assert theirs.get_scale() == ours.get_scale()
+
+
+def test_our_older_dynamic_checkpoints_still_load() -> None:
+    """Checkpoints written before the GradScaler entries: ``growth_tracker``, no factors, no rule."""
+    old = {"name": "dynamic", "scale": 512.0, "skipped_steps": 3, "overflow_count": 4,
+           "last_step_skipped": True, "growth_tracker": 2, "hysteresis_tracker": 1}  # fmt: skip
+    scaler = DynamicLossScaler(growth_interval=5, hysteresis=2)
+    scaler.load_state_dict(old)
+    assert (scaler.get_scale(), scaler.growth_tracker, scaler.hysteresis_tracker) == (512.0, 2, 1)
+    assert (scaler.skipped_steps, scaler.overflow_count, scaler.last_step_skipped) == (3, 4, True)
+    assert scaler.get_growth_interval() == 5 and scaler.rule == "torch"  # the config's, as before
+
+
+@pytest.mark.parametrize("cls", [NoLossScaler, FixedLossScaler])
+def test_constant_scalers_refuse_grad_scalers_state(cls) -> None:
+    with pytest.raises(ConfigError, match=r"holds state of torch.amp.GradScaler \(a dynamic scale\)"):
+        cls().load_state_dict(torch.amp.GradScaler("cpu").state_dict())
+
+
+# ---------------------------------------------------------------------------------------------- fused steps
+
+
+def _fused_run(scaler, unscale_every: int, data: list[tuple[torch.Tensor, torch.Tensor]]):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
+    assert optimizer._step_supports_amp_scaling  # the protocol this test is about
+    scales, skipped = [], []
+    for i, (x, y) in enumerate(data):
+        optimizer.zero_grad()
+        scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+        if i in (2, 5):
+            model[1].weight.grad[0, 0] = float("inf")
+        if i % unscale_every == 0:
+            scaler.unscale_(optimizer)  # the UNSCALED stage: the kernel gets grad_scale None
+        scaler.step(optimizer)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        skipped.append(int(optimizer.state[model[0].weight]["step"].item()))
+    return model, optimizer, scales, skipped
+
+
+@pytest.mark.parametrize("unscale_every", [1000, 2])
+def test_fused_adam_is_driven_as_grad_scaler_drives_it_bit_for_bit(unscale_every: int) -> None:
+    gen = torch.Generator().manual_seed(0)
+    data = [(torch.randn(8, 8, generator=gen), torch.randn(8, 8, generator=gen)) for _ in range(8)]
+    runs = [
+        # 1000: not a power of two, so dividing in the kernel and multiplying by 1/1000 round differently
+        _fused_run(DynamicLossScaler("cpu", init_scale=1000.0, growth_interval=2), unscale_every, data),
+        _fused_run(torch.amp.GradScaler("cpu", init_scale=1000.0, growth_interval=2), unscale_every, data),
+    ]
+    (m0, o0, s0, k0), (m1, o1, s1, k1) = runs
+    assert s0 == s1 and k0 == k1 and k0[-1] == 6  # 8 iterations, 2 overflows: 6 applied steps
+    for a, b in zip(m0.parameters(), m1.parameters(), strict=True):
+        assert torch.equal(a, b) and torch.equal(a.grad, b.grad)
+        for key in o0.state[a]:
+            assert torch.equal(o0.state[a][key], o1.state[b][key]), key
+    assert not hasattr(o0, "grad_scale") and not hasattr(o0, "found_inf")  # removed after the step
+
+
+def test_fused_step_hands_the_optimizer_the_scale_and_the_flag() -> None:
+    """GradScaler's contract, seen from the optimizer: grads still scaled, grad_scale, found_inf."""
+
+    class Recording(torch.optim.SGD):
+        _step_supports_amp_scaling = True
+
+        def step(self, closure=None):
+            self.seen = (
+                self.param_groups[0]["params"][0].grad.clone(),
+                self.grad_scale,
+                self.found_inf.item(),
+            )
+
+    param = nn.Parameter(torch.ones(2))
+    optimizer = Recording([param], lr=0.1)
+    scaler = FixedLossScaler(scale=8.0)
+    scaler.scale(param.sum()).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    grad, grad_scale, found_inf = optimizer.seen
+    assert torch.equal(grad, torch.full((2,), 8.0)) and grad_scale.item() == 8.0 and found_inf == 0.0
+    param.grad = None
+    scaler.scale(param.sum() * float("inf")).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    assert optimizer.seen[2] == 1.0 and scaler.skipped_steps == 1 and scaler.last_step_skipped
+
+
+def test_the_deprecated_grad_scaler_keyword_protocol_is_refused() -> None:
+    class OldStyle(torch.optim.SGD):
+        _step_supports_amp_scaling = True
+
+        def step(self, closure=None, grad_scaler=None):
+            return None
+
+    param = nn.Parameter(torch.ones(2))
+    scaler = DynamicLossScaler()
+    scaler.scale(param.sum()).backward()
+    with pytest.raises(RuntimeError, match="grad_scaler= keyword, GradScaler's deprecated protocol"):
+        scaler.step(OldStyle([param], lr=0.1))
+
+
+# ---------------------------------------------------------------------------------------------- copies
+
+
+SCALAR_SCALERS = {
+    "none": lambda: NoLossScaler(),
+    "fixed": lambda: FixedLossScaler(scale=64.0),
+    "dynamic": lambda: DynamicLossScaler(init_scale=64.0, growth_interval=2),
+    "chainer": lambda: DynamicLossScaler(rule="chainer", growth_interval=3),
+}
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+@pytest.mark.parametrize("kind", sorted(SCALAR_SCALERS))
+def test_copies_work_and_are_independent(kind: str, how: str) -> None:
+    import copy
+    import pickle
+
+    original = SCALAR_SCALERS[kind]()
+    _moved(original, [False, True, False])
+    original.scale(torch.ones(()))  # a cached device scale, mid-iteration state included
+    clone = copy.deepcopy(original) if how == "deepcopy" else pickle.loads(pickle.dumps(original))
+    assert clone.state_dict() == original.state_dict()
+    more = [False, False, True, False, False]
+    _moved(clone, more)
+    assert original.state_dict()["skipped_steps"] == 1  # the copy's steps do not reach the original
+    _moved(original, more)
+    assert clone.state_dict() == original.state_dict()  # and the two follow the same rule
+
+
+def test_the_adaptive_scaler_drives_fused_optimizers_unfused() -> None:
+    """Per-layer scales are not one number a kernel could divide by: the adaptive scaler unscales the grads
+    itself and steps the optimizer as any other (no grad_scale, no found_inf handed over)."""
+
+    class Recording(torch.optim.SGD):
+        _step_supports_amp_scaling = True
+
+        def step(self, closure=None):
+            self.seen = hasattr(self, "grad_scale") or hasattr(self, "found_inf")
+            return super().step()
+
+    scaler = AdaptiveLossScaler()
+    model, _ = _tiny(scaler)
+    optimizer = Recording(model.parameters(), lr=0.1)
+    reference = AdaptiveLossScaler()
+    reference_model, reference_opt = _tiny(reference)  # plain SGD: no fused protocol
+    for ours, m, opt in ((scaler, model, optimizer), (reference, reference_model, reference_opt)):
+        _iteration(ours, m, opt)
+    assert optimizer.seen is False
+    for a, b in zip(model.parameters(), reference_model.parameters(), strict=True):
+        assert torch.equal(a, b)

@@ -417,7 +417,7 @@ def test_dynamic_state_dict_round_trip_continues_identically() -> None:
     assert state["name"] == "dynamic"
     assert {
         "scale",
-        "growth_tracker",
+        "_growth_tracker",
         "hysteresis_tracker",
         "skipped_steps",
         "overflow_count",
@@ -449,7 +449,7 @@ def test_fixed_state_dict_round_trip_and_mismatch() -> None:
         DynamicLossScaler().load_state_dict(fixed.state_dict())
     with pytest.raises(RuntimeError, match="empty"):
         DynamicLossScaler().load_state_dict({})
-    with pytest.raises(RuntimeError, match="growth_tracker"):
+    with pytest.raises(RuntimeError, match="_growth_tracker"):
         DynamicLossScaler().load_state_dict({k: v for k, v in fixed.state_dict().items() if k != "name"})
 
 
@@ -648,3 +648,74 @@ def test_scale_is_float32_exact_and_metric_is_a_float() -> None:
     assert scaler.get_scale() == expected and isinstance(scaler.loss_scale_metric(), float)
     assert scaler.scale(torch.ones(())).item() == expected
     assert math.isfinite(scaler.get_scale())
+
+
+# ---------------------------------------------------------------------- hysteresis and DeepSpeed (documented)
+
+
+def test_hysteresis_h_tolerates_h_minus_1_overflows_not_necessarily_consecutive() -> None:
+    """configs/scaler/dynamic.yaml's comment: h - 1 overflows are tolerated, clean steps between them or not;
+    only a growth refills the tolerance (unless consecutive_hysteresis)."""
+    spread = [True, False, False, True, False, True]  # three overflows, never two in a row
+    scaler = DynamicLossScaler(init_scale=64.0, growth_interval=100, hysteresis=3)
+    assert _drive(scaler, spread) == [64.0, 64.0, 64.0, 64.0, 64.0, 32.0]  # the 3rd backs off, not the 4th
+    scaler = DynamicLossScaler(
+        init_scale=64.0, growth_interval=100, hysteresis=3, consecutive_hysteresis=True
+    )
+    assert _drive(scaler, spread) == [64.0] * 6  # clean steps between them refill: nothing backs off
+    assert _drive(scaler, [False, True, True, True]) == [64.0, 64.0, 64.0, 32.0]  # h = 3 in a row does
+
+
+class DeepSpeedPort:
+    """DeepSpeed's ``DynamicLossScaler.update_scale`` (deepspeed/runtime/fp16/loss_scaler.py), re-written."""
+
+    def __init__(
+        self, init: float, window: int, min_scale: float, hysteresis: int, consecutive: bool
+    ) -> None:
+        self.scale, self.window, self.min_scale = init, window, min_scale
+        self.delayed_shift = self.hysteresis = hysteresis
+        self.consecutive = consecutive
+        self.cur_iter, self.last_overflow_iter = 0, -1
+
+    def update(self, overflow: bool) -> float:
+        if overflow:
+            if self.delayed_shift == 1 or self.hysteresis == 1:
+                if self.scale == self.min_scale:  # raise_error_at_min_scale=True, its default
+                    raise RuntimeError("loss scale already at minimum")
+                self.scale = max(self.scale / 2, self.min_scale)
+            else:
+                self.hysteresis -= 1
+            self.last_overflow_iter = self.cur_iter
+        else:
+            if self.consecutive:
+                self.hysteresis = self.delayed_shift
+            if (self.cur_iter - self.last_overflow_iter) % self.window == 0:
+                if not self.consecutive:
+                    self.hysteresis = self.delayed_shift
+                self.scale *= 2
+        self.cur_iter += 1
+        return self.scale
+
+
+@pytest.mark.parametrize(("hysteresis", "consecutive"), [(1, False), (2, False), (3, False), (2, True)])
+def test_growth_and_hysteresis_follow_deepspeed_step_for_step(hysteresis: int, consecutive: bool) -> None:
+    """The docstring's comparison: DeepSpeed grows after W clean steps the first time and every W after,
+    as we do, and its hysteresis is ours; the scales agree until DeepSpeed would raise at min_scale."""
+    gen = torch.Generator().manual_seed(3)
+    pattern = [False] * 7 + (torch.rand(300, generator=gen) < 0.2).tolist()
+    ours = DynamicLossScaler(init_scale=2.0**20, growth_interval=3, hysteresis=hysteresis,
+                             consecutive_hysteresis=consecutive)  # fmt: skip
+    theirs = DeepSpeedPort(2.0**20, 3, 1.0, hysteresis, consecutive)
+    expected = [theirs.update(bad) for bad in pattern]
+    assert _drive(ours, pattern) == expected
+    assert expected[:3] == [2.0**20, 2.0**20, 2.0**21]  # the first growth after W = 3 clean steps
+    assert min(expected) > 1.0  # the pattern never brings DeepSpeed to its floor (where it raises)
+
+
+def test_at_min_scale_deepspeed_raises_and_we_keep_skipping() -> None:
+    theirs = DeepSpeedPort(2.0, 1000, 1.0, 1, False)
+    theirs.update(True)
+    with pytest.raises(RuntimeError, match="minimum"):
+        theirs.update(True)
+    ours = DynamicLossScaler(init_scale=2.0, growth_interval=1000)
+    assert _drive(ours, [True] * 5) == [1.0] * 5 and ours.skipped_steps == 5

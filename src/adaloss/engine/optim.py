@@ -33,22 +33,75 @@ __all__ = [
 ]
 
 #: Keys of the ``optimizer`` group that are ours, not the optimizer's arguments.
-OPTIMIZER_METADATA = ("name", "decay_1d")
+OPTIMIZER_METADATA = ("name", "decay_1d", "decay_bias", "bias_lr_factor")
 #: Names under which a schedule's target may take the run's length (ours, OneCycleLR, CosineAnnealingLR).
 _LENGTH_PARAMETERS = ("length", "total_steps", "T_max")
 
 
-def parameter_groups(model: nn.Module, weight_decay: float, decay_1d: bool) -> list[dict[str, Any]]:
-    """The optimizer's parameter groups: one group of every parameter (``decay_1d``), or, as nanoGPT does,
-    weight decay on parameters with 2 or more dimensions only (matmul, convolution and embedding weights)
-    and none on 1-D ones (biases, norm gains). A tied weight is one parameter and appears once."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    if decay_1d:
-        return [{"params": params, "weight_decay": weight_decay}]
-    return [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
+def parameter_groups(
+    model: nn.Module,
+    weight_decay: float,
+    decay_1d: bool,
+    decay_bias: bool = True,
+    bias_lr_factor: float = 1.0,
+    lr: float | None = None,
+) -> list[dict[str, Any]]:
+    """The optimizer's parameter groups. A tied weight is one parameter and appears once.
+
+    * ``decay_1d``: weight decay on every parameter; otherwise, as nanoGPT does, only on parameters with 2 or
+      more dimensions (matmul, convolution and embedding weights) and none on 1-D ones (biases, norm gains).
+    * ``decay_bias=False``: no weight decay on biases (parameters named ``bias``), whatever their shape;
+      other 1-D parameters (an L2Norm's scale) still follow ``decay_1d``. ChainerCV's SSD recipe.
+    * ``bias_lr_factor``: the biases' learning rate is ``lr * bias_lr_factor`` (``lr``: the optimizer's).
+      For SGD this is exactly ChainerCV's ``GradientScaling(2)`` hook on biases (gradients x2): torch's
+      momentum buffer ``b <- momentum * b + g`` is linear in ``g``, so doubling every ``g`` doubles every
+      ``b`` and ``lr * 2b == (2 lr) * b``, bit for bit as multiplying by 2 is exact (with ``nesterov`` too,
+      as long as the biases are not decayed). For Adam-type optimizers it is not: they ignore a constant
+      gradient factor, but not a learning-rate one.
+
+    With the defaults: one group of every parameter (``decay_1d``), or the two nanoGPT groups (decayed
+    first). Otherwise the groups are (decayed, plain lr), (not decayed, plain lr), then the biases' group(s)
+    at ``lr * bias_lr_factor``; empty groups are left out. Group 0 is always at the plain learning rate (the
+    trainer logs its lr). Raises ``ConfigError`` for a ``bias_lr_factor`` other than 1 without ``lr``.
+    """
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if decay_bias and bias_lr_factor == 1.0:  # the original grouping, unchanged
+        params = [p for _, p in named]
+        if decay_1d:
+            return [{"params": params, "weight_decay": weight_decay}]
+        return [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+    if bias_lr_factor != 1.0 and lr is None:
+        raise ConfigError(
+            "optimizer.bias_lr_factor multiplies optimizer.lr, which the config does not set; "
+            "e.g. optimizer.lr=0.001"
+        )
+    groups: dict[tuple[bool, bool], list[nn.Parameter]] = {key: [] for key in _GROUP_ORDER}
+    for name, param in named:
+        bias = is_bias(name)
+        decayed = (decay_1d or param.dim() >= 2) and (decay_bias or not bias)
+        groups[(bias and bias_lr_factor != 1.0, decayed)].append(param)
+    out = []
+    for (scaled, decayed), params in groups.items():
+        if not params:
+            continue
+        group: dict[str, Any] = {"params": params, "weight_decay": weight_decay if decayed else 0.0}
+        if scaled:
+            group["lr"] = float(lr) * float(bias_lr_factor)  # type: ignore[arg-type]
+        out.append(group)
+    return out
+
+
+#: (lr scaled by ``bias_lr_factor``, decayed): the order of :func:`parameter_groups`' groups.
+_GROUP_ORDER = ((False, True), (False, False), (True, True), (True, False))
+
+
+def is_bias(name: str) -> bool:
+    """Whether the parameter called ``name`` (as in ``named_parameters()``) is a bias: its last component is
+    ``bias`` (``nn.Linear``, ``nn.Conv2d``, norms), as Chainer names every bias ``b``."""
+    return name.rsplit(".", 1)[-1] == "bias"
 
 
 def build_optimizer(cfg: Any, model: nn.Module) -> torch.optim.Optimizer:
@@ -56,10 +109,19 @@ def build_optimizer(cfg: Any, model: nn.Module) -> torch.optim.Optimizer:
 
     Build it after ``precision.prepare`` so it holds the parameters the training model uses. ``SGD`` with
     ``decay_1d: true`` decays every parameter, batch-norm scales and biases included, as in He et al. 2016
-    (excluding them is a later refinement the paper's baselines do not use). Cost: no host sync.
+    (excluding them is a later refinement the paper's baselines do not use). ``decay_bias`` and
+    ``bias_lr_factor`` (ours, not the optimizer's arguments) select ChainerCV's SSD treatment of biases.
+    Cost: no host sync.
     """
     items = config_items(cfg)
-    groups = parameter_groups(model, float(items.get("weight_decay", 0.0)), bool(items.get("decay_1d", True)))
+    groups = parameter_groups(
+        model,
+        float(items.get("weight_decay", 0.0)),
+        bool(items.get("decay_1d", True)),
+        decay_bias=bool(items.get("decay_bias", True)),
+        bias_lr_factor=float(items.get("bias_lr_factor", 1.0)),
+        lr=float(items["lr"]) if items.get("lr") is not None else None,
+    )
     optimizer = build_target(
         "optimizer",
         cfg,
@@ -81,8 +143,10 @@ class MultiStepWithWarmup:
     Milestones and warm-up are fractions of ``length`` (the iterations this run does), rounded to whole
     updates: with ``length=64000``, milestones ``[0.5, 0.75]`` decay after updates 32000 and 48000. The
     warm-up holds the multiplier at ``warmup_factor`` (``warmup="constant"``, He et al.'s ResNet-110 trick)
-    or ramps it linearly from ``warmup_factor`` to 1 (``warmup="linear"``, as detection recipes do). A plain
-    class rather than a lambda so ``LambdaLR.state_dict()`` records it.
+    or ramps it linearly from ``warmup_factor`` to 1 (``warmup="linear"``, as detection recipes do). With
+    ``warmup_unless_batch_size`` and ``batch_size`` equal there is no warm-up: the authors' SSD script warms
+    up only when it trains at another batch than its recipe's 32. A plain class rather than a lambda so
+    ``LambdaLR.state_dict()`` records it.
     """
 
     def __init__(
@@ -93,12 +157,20 @@ class MultiStepWithWarmup:
         warmup_fraction: float = 0.0,
         warmup_factor: float = 0.1,
         warmup: str = "constant",
+        warmup_unless_batch_size: int | None = None,
+        batch_size: int | None = None,
     ) -> None:
         if warmup not in ("constant", "linear"):
             raise ConfigError(f"schedule.warmup must be 'constant' or 'linear', got '{warmup}'")
+        if warmup_unless_batch_size is not None and batch_size is None:
+            raise ConfigError(
+                "schedule.warmup_unless_batch_size needs the run's batch size; "
+                "e.g. schedule.batch_size=${trainer.batch_size}"
+            )
         self.milestones = [round(float(m) * length) for m in milestones]
         self.gamma = float(gamma)
-        self.warmup_steps = round(float(warmup_fraction) * length)
+        skip = warmup_unless_batch_size is not None and int(batch_size) == int(warmup_unless_batch_size)  # type: ignore[arg-type]
+        self.warmup_steps = 0 if skip else round(float(warmup_fraction) * length)
         self.warmup_factor = float(warmup_factor)
         self.linear = warmup == "linear"
 
@@ -140,9 +212,20 @@ def multistep(
     warmup_fraction: float = 0.0,
     warmup_factor: float = 0.1,
     warmup: str = "constant",
+    warmup_unless_batch_size: int | None = None,
+    batch_size: int | None = None,
 ) -> LambdaLR:
     """``schedule=multistep``: :class:`MultiStepWithWarmup` over ``length`` updates."""
-    rule = MultiStepWithWarmup(length, list(milestones), gamma, warmup_fraction, warmup_factor, warmup)
+    rule = MultiStepWithWarmup(
+        length,
+        list(milestones),
+        gamma,
+        warmup_fraction,
+        warmup_factor,
+        warmup,
+        warmup_unless_batch_size=warmup_unless_batch_size,
+        batch_size=batch_size,
+    )
     return LambdaLR(optimizer, lr_lambda=rule)
 
 
@@ -187,6 +270,13 @@ def check_optimizer_and_schedule(cfg_optimizer: Any, cfg_schedule: Any, number: 
         number(o.momentum, "optimizer.momentum", 0.9, 0.0, 1.0)
     if "weight_decay" in o:
         number(o.weight_decay, "optimizer.weight_decay", 1e-4, 0.0)
+    if "bias_lr_factor" in o:
+        number(o.bias_lr_factor, "optimizer.bias_lr_factor", 2.0, 0.0, low_open=True)
+    if "decay_bias" in o and not isinstance(o.decay_bias, bool):
+        raise ConfigError(
+            f"optimizer.decay_bias must be true or false, got {o.decay_bias!r}; "
+            "e.g. optimizer.decay_bias=false"
+        )
 
     s = cfg_schedule
     locate_target("schedule", s.get("_target_"), "schedule=multistep or schedule=cosine")
@@ -210,6 +300,9 @@ def check_optimizer_and_schedule(cfg_optimizer: Any, cfg_schedule: Any, number: 
         number(s.warmup_fraction, "schedule.warmup_fraction", 0.0, 0.0, 1.0)
     if "warmup_factor" in s:
         number(s.warmup_factor, "schedule.warmup_factor", 0.1, 0.0, low_open=True)
+    for key in ("warmup_unless_batch_size", "batch_size"):
+        if s.get(key) is not None:
+            number(s[key], f"schedule.{key}", 32, 1.0)
     if "final_factor" in s:
         number(s.final_factor, "schedule.final_factor", 0.1, 0.0, 1.0)
     warmup = s.get("warmup", "constant")

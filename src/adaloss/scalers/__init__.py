@@ -55,12 +55,14 @@ def __dir__() -> list[str]:
 SCALER_NAMES = ("none", "fixed", "dynamic", "adaptive")
 
 # The config fields each scaler reads; anything else is a typo and is refused rather than ignored.
-# ``consecutive_hysteresis`` is optional (DeepSpeed's switch; the YAML need not carry it).
+# ``rule`` and ``consecutive_hysteresis`` are optional (the YAML need not carry them); a null ``init_scale``
+# is the rule's start.
 _FIELDS: dict[str, tuple[str, ...]] = {
     "none": ("name",),
     "fixed": ("name", "scale"),
     "dynamic": (
         "name",
+        "rule",
         "init_scale",
         "growth_factor",
         "backoff_factor",
@@ -76,10 +78,10 @@ _FIELDS: dict[str, tuple[str, ...]] = {
 def build_scaler(cfg: Mapping[str, Any], fmt: FloatFormat | None = None) -> LossScaler:
     """Build the loss scaler named by ``cfg["name"]`` from the ``scaler`` config group.
 
-    Missing fields take the class defaults (``fixed``: scale 128; ``dynamic``: GradScaler's 2**16, x2, x0.5,
-    every 2000 steps, plus ``min_scale`` 1, no ``max_scale``, ``hysteresis`` 1). Numbers may be strings, as
-    they arrive from the command line. ``fmt`` is the training format (``None`` for FP32); only ``adaptive``
-    uses it, to know the underflow threshold ``u_min`` it scales against.
+    Missing fields take the class defaults (``fixed``: scale 128; ``dynamic``: ``rule`` torch, GradScaler's
+    2**16, x2, x0.5, every 2000 steps, plus ``min_scale`` 1, no ``max_scale``, ``hysteresis`` 1). Numbers may
+    be strings, as they arrive from the command line. ``fmt`` is the training format (``None`` for FP32);
+    only ``adaptive`` uses it, to know the underflow threshold ``u_min`` it scales against.
 
     Raises:
         ConfigError: for an unknown name, an unknown field, or a value out of range.

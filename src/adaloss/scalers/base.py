@@ -17,7 +17,9 @@ one-float collective per optimizer per iteration and no extra host sync.
 
 Host-device synchronization, per method (on a GPU the host waits for the device at a sync; on the CPU there
 is nothing to wait for): ``scale``, ``unscale_``, ``attach``, ``is_enabled``, the growth and backoff getters
-and setters: none. ``step``: one, to read the Inf/NaN flag, as in ``GradScaler``. ``update``: none after
+and setters: none. ``step``: one, to read the Inf/NaN flag, as in ``GradScaler`` (also for an optimizer
+that unscales in its own kernel, ``_step_supports_amp_scaling``, where GradScaler has none: the host
+counts skipped steps and updates the scale from the flag). ``update``: none after
 ``step`` (the adaptive scaler: one more on each step that recomputed its scales, with ``update_every > 1``).
 ``get_scale``: none (the scale is a host float; ``GradScaler`` syncs here). Each method's docstring says
 its own.
@@ -25,6 +27,7 @@ its own.
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 from collections import defaultdict
@@ -144,6 +147,8 @@ class LossScaler:
     name: ClassVar[str] = "base"
     #: The argument a number given in ``device``'s place most likely meant (for the error message).
     _number_keyword: ClassVar[str] = "init_scale"
+    #: Whether ``load_state_dict`` takes ``torch.amp.GradScaler``'s state dicts (the scalers with its rule).
+    _accepts_grad_scaler_state: ClassVar[bool] = False
 
     def __init__(
         self, device: str | torch.device | None = None, init_scale: float = 1.0, enabled: bool = True
@@ -205,6 +210,11 @@ class LossScaler:
 
         Args:
             outputs (Tensor or list/tuple of Tensors): Typically the loss; call ``.backward()`` on the result.
+
+        Raises:
+            TypeError: for anything else. A deliberate difference: GradScaler also takes any other iterable
+                and returns a lazy ``map`` over it, which a caller can consume only once; lists and tuples
+                keep their type here, and a generator is refused rather than silently turned into a map.
         """
         if not self._enabled:
             return outputs
@@ -263,13 +273,23 @@ class LossScaler:
             ``unscale_``), so a step is skipped on every rank or on none.
 
         .. note::
-            Closures are not supported. Optimizers that can unscale inside a fused kernel
-            (``_step_supports_amp_scaling``) are driven like any other: correct, but unfused.
+            Optimizers that unscale and skip inside their own kernel declare ``_step_supports_amp_scaling =
+            True`` (torch's ``fused=True`` Adam, AdamW, SGD). As GradScaler does, a scaler whose scale is one
+            number (``none``, ``fixed``, ``dynamic``) then hands them ``optimizer.grad_scale`` (the scale,
+            times any ``grad_scale`` the caller set; ``None`` after ``unscale_``) and ``optimizer.found_inf``
+            and always calls ``optimizer.step()``, which divides and skips by itself; the grads are checked
+            but not unscaled first. The sync to read the flag (for ``skipped_steps``) comes after that call.
+            The adaptive scaler's per-layer scales are not one number: it drives such optimizers like any
+            other (correct, but unfused). GradScaler's deprecated ``grad_scaler=`` keyword is refused.
+
+        .. note::
+            Closures are not supported.
 
         Raises:
             ScaleNotCalledError: if no ``scale()`` call has been made yet: GradScaler raises an
                 ``AssertionError`` then, and so does this (the class is both).
-            RuntimeError: for a closure, or a second ``step()`` on ``optimizer`` before ``update()``.
+            RuntimeError: for a closure, a second ``step()`` on ``optimizer`` before ``update()``, or an
+                optimizer whose ``step`` takes GradScaler's deprecated ``grad_scaler`` keyword.
         """
         if not self._enabled:
             self._last_step_skipped = False
@@ -280,17 +300,62 @@ class LossScaler:
         record = self._per_optimizer[id(optimizer)]
         if record.stage is OptState.STEPPED:
             raise RuntimeError("step() has already been called on this optimizer since the last update().")
+        if getattr(optimizer, "_step_supports_amp_scaling", False) and self._scale_is_one_number():
+            return self._step_in_kernel(optimizer, record, args, kwargs)
         if record.stage is OptState.READY:
             self.unscale_(optimizer)
         assert record.found_inf is not None
         found_inf = bool(record.found_inf.item() != 0.0)  # the one host-device sync of the iteration
+        self._record_step(record, found_inf)
+        if found_inf:
+            return None
+        return optimizer.step(*args, **kwargs)
+
+    def _step_in_kernel(
+        self, optimizer: torch.optim.Optimizer, record: _OptimizerRecord, args: tuple, kwargs: dict
+    ) -> Any:
+        """``step()`` for an optimizer with ``_step_supports_amp_scaling``: GradScaler's protocol
+        (torch/amp/grad_scaler.py, ``GradScaler.step``). One host-device sync, after ``optimizer.step()``."""
+        if "grad_scaler" in inspect.signature(optimizer.step).parameters:
+            raise RuntimeError(
+                f"{type(optimizer).__name__}.step takes a grad_scaler= keyword, GradScaler's deprecated "
+                "protocol, which the adaloss scalers do not drive; use an optimizer that reads "
+                "optimizer.grad_scale and optimizer.found_inf (e.g. torch.optim.Adam(fused=True))"
+            )
+        if record.stage is OptState.READY:
+            # check without unscaling (GradScaler's _check_inf_per_device): the kernel divides by grad_scale
+            groups = self._grads_by_device_and_dtype(optimizer, allow_fp16=True)
+            record.found_inf = reduce_found_inf(self._unscale_grad_groups_(groups, 1.0))
+            scale = self._scale_tensor(record.found_inf.device)
+            optimizer.grad_scale = scale * getattr(optimizer, "grad_scale", 1)  # type: ignore[attr-defined]
+        else:  # unscale_() already divided the grads; a grad_scale the caller set stays as it is
+            optimizer.grad_scale = getattr(optimizer, "grad_scale", None)  # type: ignore[attr-defined]
+        assert record.found_inf is not None
+        optimizer.found_inf = record.found_inf  # type: ignore[attr-defined]
+        try:
+            result = optimizer.step(*args, **kwargs)
+        finally:
+            del optimizer.grad_scale  # type: ignore[attr-defined]
+            del optimizer.found_inf  # type: ignore[attr-defined]
+        self._record_step(record, bool(record.found_inf.item() != 0.0))  # the iteration's one sync
+        return result
+
+    def _record_step(self, record: _OptimizerRecord, found_inf: bool) -> None:
+        """Book one ``step()``: the host flag, the stage, ``last_step_skipped`` and ``skipped_steps``."""
         record.found_inf_host = found_inf
         record.stage = OptState.STEPPED
         self._last_step_skipped = found_inf
         if found_inf:
             self._skipped_steps += 1
-            return None
-        return optimizer.step(*args, **kwargs)
+
+    def _scale_is_one_number(self) -> bool:
+        """Whether the gradients carry one scale (this class's ``_scale_tensor`` and ``_unscale_grads_``), so
+        that an optimizer can unscale them in its kernel by ``grad_scale``."""
+        cls = type(self)
+        return (
+            cls._scale_tensor is LossScaler._scale_tensor
+            and cls._unscale_grads_ is LossScaler._unscale_grads_
+        )
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Adjust the loss scale from this iteration's outcome and start the next iteration.
@@ -348,12 +413,13 @@ class LossScaler:
         return self.get_scale()
 
     def state_dict(self) -> dict[str, Any]:
-        """Return the scaler's state for the checkpoint (``{}`` when disabled).
+        """Return the scaler's state for the checkpoint (``{}`` when disabled, as GradScaler).
 
         Holds ``name``, ``scale``, the counters ``skipped_steps``, ``overflow_count``, ``last_step_skipped``
-        and the subclass's ``_extra_state()``. Hyperparameters (growth factor, interval, ...) come from the
-        config, not from the checkpoint, so a resumed run may change them. Call after ``update()``. No sync
-        here (the adaptive scaler's per-layer state costs one per device tensor: checkpoint steps only).
+        and the subclass's ``_extra_state()`` (``DynamicLossScaler``: GradScaler's ``growth_factor``,
+        ``backoff_factor``, ``growth_interval`` and ``_growth_tracker`` too, so that
+        ``torch.amp.GradScaler().load_state_dict`` takes it). Call after ``update()``. No sync here (the
+        adaptive scaler's per-layer state costs one per device tensor: checkpoint steps only).
         """
         if not self._enabled:
             return {}
@@ -369,25 +435,35 @@ class LossScaler:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a state returned by ``state_dict()`` (a no-op when disabled).
 
+        ``DynamicLossScaler`` also takes ``torch.amp.GradScaler().state_dict()`` (recognized by its
+        ``_growth_tracker`` entry and no ``name``): the scale, growth and backoff factors, growth interval
+        and growth tracker are restored as GradScaler restores them, and the counters start at 0. No sync.
+
         Raises:
-            ConfigError: if the state was saved by a different scaler (e.g. ``dynamic`` into ``fixed``).
+            ConfigError: if the state was saved by a different scaler (e.g. ``dynamic`` into ``fixed``, or a
+                GradScaler state into a scaler without its rule).
             RuntimeError: if the state is empty (saved by a disabled scaler) or lacks an entry.
         """
         if not self._enabled:
             return
         if not state_dict:
             raise RuntimeError("the scaler state is empty, probably saved by a scaler with enabled=False.")
-        saved_name = state_dict.get("name", self.name)
-        if saved_name != self.name:
+        from_grad_scaler = "name" not in state_dict and "_growth_tracker" in state_dict
+        saved_name = "dynamic" if from_grad_scaler else state_dict.get("name", self.name)
+        if saved_name != self.name or (from_grad_scaler and not self._accepts_grad_scaler_state):
+            what = "torch.amp.GradScaler (a dynamic scale)" if from_grad_scaler else f"scaler={saved_name}"
             raise ConfigError(
-                f"the checkpoint holds state of scaler={saved_name} but this run uses scaler={self.name}; "
+                f"the checkpoint holds state of {what} but this run uses scaler={self.name}; "
                 f"resume with scaler={saved_name} or start a fresh run"
             )
         try:
             self._set_loss_scale(float(state_dict["scale"]))
-            self._skipped_steps = int(state_dict["skipped_steps"])
-            self._overflow_count = int(state_dict["overflow_count"])
-            self._last_step_skipped = bool(state_dict["last_step_skipped"])
+            counters = {"skipped_steps": 0, "overflow_count": 0, "last_step_skipped": False}
+            if not from_grad_scaler:  # ours always carry them: a missing one is a damaged state
+                counters = {key: state_dict[key] for key in counters}
+            self._skipped_steps = int(counters["skipped_steps"])
+            self._overflow_count = int(counters["overflow_count"])
+            self._last_step_skipped = bool(counters["last_step_skipped"])
             self._load_extra_state(state_dict)
         except KeyError as missing:
             raise RuntimeError(f"the scaler state has no entry {missing}; was it saved by adaloss?") from None
