@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from adaloss.scalers import DynamicLossScaler, FixedLossScaler, NoLossScaler
+from adaloss.scalers import AdaptiveLossScaler, DynamicLossScaler, FixedLossScaler, NoLossScaler
 
 INIT = 128.0  # the harness's modest initial scale, and its unrealistically large growth (x2 every clean step)
 
@@ -33,6 +33,9 @@ class ScalerCase:
     expected_scale: Callable[[int, int], float]  #: (clean steps, skipped steps) -> the scale after the run
     twin: Callable[[bool], torch.amp.GradScaler] | None = None  #: GradScaler with the same rule, if any
     no_twin: str = ""  #: why there is no twin (the skip reason)
+    #: the scale after each update of an overflow pattern, where the scale is not constant without a twin
+    scale_after: Callable[[list[bool]], float] | None = None
+    one_model: str = ""  #: why one scaler cannot serve two models (the skip reason), if it cannot
 
 
 SCALERS: dict[str, ScalerCase] = {
@@ -57,8 +60,33 @@ SCALERS: dict[str, ScalerCase] = {
             "cpu", init_scale=INIT, growth_factor=2.0, growth_interval=1, enabled=enabled
         ),
     ),
+    # The adaptive scaler keeps alpha_{N+1} unless two overflows come in a row (one only recomputes the
+    # betas), so the harness's single Inf leaves it at INIT; its layer-wise betas (update_every=1) make
+    # the scaled run differ from GradScaler's, so it is checked against the unscaled control run.
+    "adaptive": ScalerCase(
+        make=lambda enabled: AdaptiveLossScaler(init_scale=INIT, update_every=1, enabled=enabled),
+        expected_scale=lambda unskipped, skipped: INIT,
+        no_twin="the adaptive scaler scales layer by layer (no GradScaler rule to match bit for bit); it is "
+        "checked against the unscaled control run instead",
+        scale_after=lambda overflows: _adaptive_root(overflows),
+        one_model="deliberate difference (AdaptiveLossScaler.attach): the adaptive scaler rewrites the one "
+        "model it is attached to, so two models need two scalers",
+    ),
 }
 KINDS = sorted(SCALERS)
+
+
+def _adaptive_root(overflows: list[bool]) -> float:
+    """alpha_{N+1} after these iterations (AdaptiveLossScaler's docstring): halved on the second overflow
+    in a row and every one after it; doubled back towards INIT after 2000 clean steps."""
+    scale, in_a_row, clean = INIT, 0, 0
+    for bad in overflows:
+        in_a_row, clean = (in_a_row + 1, 0) if bad else (0, clean + 1)
+        if in_a_row >= 2:
+            scale /= 2
+        if clean >= 2000 and scale < INIT:
+            scale, clean = scale * 2, 0
+    return scale
 
 
 # ---------------------------------------------------------------------------------------------- the harness
@@ -145,7 +173,7 @@ def run_against_grad_scaler(
 
 def _poison(model: nn.Module, scaler, i: int) -> None:
     if i == SKIP_ITER and scaler.is_enabled():
-        model[1].weight.grad.data.fill_(float("inf"))
+        model.get_submodule("1").weight.grad.data.fill_(float("inf"))
 
 
 def _step_unless_skipped(optimizer, scaler, i: int) -> None:
@@ -308,6 +336,8 @@ def test_grad_scaling_multiple(kind: str) -> None:
     """Two models, two optimizers, one scaler; only the second one's step is skipped
     (test_grad_scaling_multiple), one of them unscaled separately."""
     case = SCALERS[kind]
+    if case.one_model:
+        pytest.skip(case.one_model)
     for enabled in (True, False):
         c0, c1, s0, s1 = _models(4)
         scaler = case.make(enabled)
@@ -401,7 +431,7 @@ def test_grad_scaling_update_scale(kind: str) -> None:
     pattern = [False, False, True, False, False, False, True, True, False]
     ours = case.make(True)
     theirs = case.twin(True) if case.twin else None
-    for bad in pattern:
+    for step, bad in enumerate(pattern):
         for scaler in (ours, theirs) if theirs is not None else (ours,):
             param = nn.Parameter(torch.zeros(2))
             optimizer = torch.optim.SGD([param], lr=1.0)
@@ -410,7 +440,9 @@ def test_grad_scaling_update_scale(kind: str) -> None:
                 param.grad[0] = float("inf")
             scaler.step(optimizer)
             scaler.update()
-        if theirs is None:
+        if theirs is None and case.scale_after is not None:
+            assert ours.get_scale() == case.scale_after(pattern[: step + 1])
+        elif theirs is None:
             assert ours.get_scale() == case.expected_scale(0, 0)  # a constant scale
         else:
             assert ours.get_scale() == theirs.get_scale()

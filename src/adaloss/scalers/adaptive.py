@@ -318,6 +318,9 @@ class AdaptiveLossScaler(LossScaler):
     def scale(self, outputs: Any) -> Any:
         """Multiply the loss by ``alpha_{N+1}`` and arm the backward pass. No host sync.
 
+        Without a model attached, the scaler scales the loss by ``alpha_{N+1}`` alone, as a GradScaler
+        would (with this scaler's backoff and regrowth of ``alpha_{N+1}``).
+
         The first ``scale()`` of an iteration decides whether this iteration recomputes the betas; further
         calls before ``update()`` (gradient accumulation) reuse that decision and those betas. On a recompute
         step, Algorithm 4's per-layer constants reach the device here, once per device and dtype (a
@@ -325,8 +328,8 @@ class AdaptiveLossScaler(LossScaler):
         """
         if not self._enabled:
             return outputs
-        if self.state is None:
-            raise RuntimeError("call scaler.attach(model) and train the returned module before scale()")
+        if self.state is None:  # no model attached: GradScaler's loss scaling at alpha_{N+1}
+            return super().scale(outputs)
         device = _first_tensor(outputs).device
         self._scales_cache = None  # this backward pass writes new alphas (and maybe betas)
         if self._pending is not None:
