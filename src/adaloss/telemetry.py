@@ -12,6 +12,14 @@ Optionally (``expected_loss_scale=True``) each layer's *expected loss scale* is 
 gradient, i.e. the scale that would lift all but the smallest ``quantile`` share of them to 1 (the paper's
 Figure 1b uses ``quantile = 0.01``).
 
+Each layer's gradient storage is described too (:data:`STORAGE_KEYS`, read ``last_storage`` after
+:meth:`UnderflowMonitor.underflow_rates`): ``saturation_rate``, the share of elements whose scaled magnitude
+passed the format's largest value (clamped there by a gradient quantizer, Inf for plain E5M2 rounding);
+``grad_scale_min`` / ``grad_scale_max``, the range of the gradient quantizer's scales over the layer's tensors
+or MX blocks (1 without a quantizer, ``precision.grad_scaling=none``); and ``sqnr_db``, the signal to
+quantization-noise ratio ``10 log10(sum g^2 / sum (g - q)^2)`` of the stored gradient ``q`` against the
+unquantized ``g`` (finite elements; Inf when nothing changed, as for an FP32 run's uncounted gradients).
+
 Telemetry is sampled on the first iteration, every ``every`` iterations and on the last iteration, so its
 cost (one extra comparison pass per probed gradient and one host sync per telemetry step) is negligible in
 long runs while short runs still report it, and the final numbers describe the end of training (a 200-step
@@ -20,11 +28,16 @@ run with ``every=100`` samples iterations 0, 100 and 199, not 0 and 100 only).
 
 from __future__ import annotations
 
+import math
+
 from adaloss.errors import ConfigError
 from adaloss.numerics.emulation import Probe
 from adaloss.numerics.formats import FloatFormat, get_format
 
-__all__ = ["UnderflowMonitor"]
+__all__ = ["UnderflowMonitor", "STORAGE_KEYS"]
+
+#: The per-layer gradient-storage quantities of a telemetry step (module docstring), in record order.
+STORAGE_KEYS = ("saturation_rate", "grad_scale_min", "grad_scale_max", "sqnr_db")
 
 
 class UnderflowMonitor:
@@ -74,6 +87,8 @@ class UnderflowMonitor:
         self._probes: dict[str, Probe] = {}
         self.last_rates: dict[str, float] = {}
         self.last_expected_loss_scale: dict[str, float] = {}
+        #: ``{key: {layer: value}}`` for :data:`STORAGE_KEYS`, set by :meth:`underflow_rates`.
+        self.last_storage: dict[str, dict[str, float]] = {}
 
     def due(self, step: int, steps: int | None = None) -> bool:
         """Whether iteration ``step`` (0-based) is a telemetry step: the first, every ``every``-th and, when
@@ -99,16 +114,20 @@ class UnderflowMonitor:
         if not names:
             self._probes.clear()
             self.last_expected_loss_scale = {}
+            self.last_storage = {}
             return {}
         import torch
 
         kth_names = [n for n in names if self._probes[n].kth is not None]
         values = [self._probes[n].underflow.float() for n in names]
         values += [self._probes[n].kth.float() for n in kth_names]
-        flat = torch.stack(values).cpu().tolist()
-        counts, kths = flat[: len(names)], flat[len(names) :]
+        storage = [_storage_row(self._probes[n]) for n in names]  # each: 5 float64 scalars
+        flat = torch.cat([torch.stack(values).double(), *storage]).cpu().tolist()
+        counts, kths = flat[: len(names)], flat[len(names) : len(names) + len(kth_names)]
+        rows = flat[len(names) + len(kth_names) :]
         rates = {n: c / self._probes[n].numel for n, c in zip(names, counts, strict=True)}
         self.last_expected_loss_scale = {n: 1.0 / k for n, k in zip(kth_names, kths, strict=True) if k > 0}
+        self.last_storage = _storage_values(names, rows, {n: self._probes[n].numel for n in names})
         self._probes.clear()
         self.last_rates = rates
         return rates
@@ -117,3 +136,30 @@ class UnderflowMonitor:
     def mean_rate(rates: dict[str, float]) -> float:
         """Unweighted mean over layers (each layer counts once, as in the paper's per-layer plots)."""
         return sum(rates.values()) / len(rates) if rates else 0.0
+
+
+def _storage_row(probe: Probe):
+    """``[saturated, scale_min, scale_max, signal, noise]`` of one probe as a float64 tensor (NaN where a
+    quantity was never recorded); stacked with the other counts for the one host sync."""
+    import torch
+
+    nan = torch.tensor(float("nan"), dtype=torch.float64, device=probe.underflow.device)
+    parts = [probe.saturated, probe.scale_min, probe.scale_max, probe.signal, probe.noise]
+    return torch.stack([nan if t is None else t.detach().double().reshape(()) for t in parts])
+
+
+def _storage_values(
+    names: list[str], flat: list[float], numel: dict[str, int]
+) -> dict[str, dict[str, float]]:
+    """The :data:`STORAGE_KEYS` per layer from the probes' rows (``flat``: 5 numbers per layer)."""
+    out: dict[str, dict[str, float]] = {key: {} for key in STORAGE_KEYS}
+    for i, name in enumerate(names):
+        saturated, low, high, signal, noise = flat[5 * i : 5 * i + 5]
+        out["saturation_rate"][name] = saturated / numel[name]
+        out["grad_scale_min"][name] = low
+        out["grad_scale_max"][name] = high
+        if noise > 0:
+            out["sqnr_db"][name] = 10.0 * math.log10(signal / noise) if signal > 0 else -math.inf
+        else:
+            out["sqnr_db"][name] = math.inf
+    return out
