@@ -15,7 +15,8 @@ its FP8 operand and its scale, as Transformer Engine's and torchao's emulations 
 
 The stored value is ``round(clamp(x * s, -fp8_max, fp8_max)) / s``: scaled values past the format's largest
 finite value saturate (TE's and the OCP conversion's behaviour), and an element that is Inf or NaN stays
-non-finite so the loss scalers still see an overflow. The recipe is data (the frozen dataclasses below);
+as it is so the loss scalers still see the overflow (also under ``none`` for E4M3, whose torch cast would
+turn Inf into 448). The recipe is data (the frozen dataclasses below);
 :class:`GradQuantizer` is the one mechanism that applies any of them, and :func:`quantize_grad` is the one
 call a backward node makes. Nothing here synchronizes host and device: amaxes, scales and histories stay
 tensors.
@@ -323,7 +324,9 @@ class GradQuantizer:
         if isinstance(recipe, GlobalScaling):  # plain rounding: overflow gives the format's Inf (or its max)
             one = torch.ones((), dtype=torch.float32, device=x.device)
             saturated = (torch.isfinite(x) & (x.abs() > fp8_max)).sum() if stats else None
-            return round_to_format(x, self.fmt), (QuantStats(saturated, one, one) if stats else None)
+            return _round_keeping_non_finite(x, self.fmt), (
+                QuantStats(saturated, one, one) if stats else None
+            )
         else:
             amax = x.detach().abs().amax().float() if x.numel() else x.new_zeros((), dtype=torch.float32)
             if isinstance(recipe, CurrentScaling):
@@ -352,8 +355,8 @@ class GradQuantizer:
         scaled = x * scale.to(x.dtype)
         finite = torch.isfinite(scaled)
         saturated = (finite & (scaled.abs() > fp8_max)).sum() if stats else None
-        clamped = torch.where(finite, scaled.clamp(-fp8_max, fp8_max), scaled)
-        out = round_to_format(clamped, self.fmt) * (1.0 / scale).to(x.dtype)
+        rounded = round_to_format(scaled.clamp(-fp8_max, fp8_max), self.fmt)
+        out = torch.where(finite, rounded * (1.0 / scale).to(x.dtype), scaled)
         return out, saturated
 
     def _quantize_blocks(
@@ -412,7 +415,7 @@ def quantize_grad(
     node makes where it stores a gradient. No host sync.
     """
     if site is None or not site.quantizer.scales:
-        rounded = round_to_format(grad, fmt)
+        rounded = _round_keeping_non_finite(grad, fmt)
         if probe is not None:
             probe.record(grad, rounded)
         return rounded
@@ -420,3 +423,11 @@ def quantize_grad(
     if probe is not None:
         probe.record(grad, out, stats)
     return out
+
+
+def _round_keeping_non_finite(x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+    """:func:`round_to_format`, except that for a format without Inf (E4M3) Inf and NaN elements stay as
+    they are instead of becoming ``u_max`` (torch's E4M3 cast saturates even Inf), so an overflow still
+    reaches the loss scaler. Formats with Inf (E5M2) are rounded as they are: one pass."""
+    rounded = round_to_format(x, fmt)
+    return rounded if fmt.ieee_specials else torch.where(torch.isfinite(x), rounded, x)
