@@ -126,6 +126,8 @@ def test_delayed_scaling_history_rollover_max_most_recent_and_margin() -> None:
     assert _delayed_scales(most_recent, amaxes) == [1.0, 56.0, 224.0, 448.0, 896.0, 1792.0]
     # margin 1 halves every computed scale (the initial 1 is not computed)
     assert _delayed_scales(DelayedScaling(history_len=3, margin=1), amaxes) == [1, 28, 28, 28, 112, 224]
+    # a window of 1 holds only the step being recorded: the same scales as most_recent
+    assert _delayed_scales(DelayedScaling(history_len=1), amaxes) == [1.0, 56.0, 224.0, 448.0, 896.0, 1792.0]
     # E5M2: 57344 / 8 = 7168
     assert _delayed_scales(DelayedScaling(), [8.0, 1.0], E5M2) == [1.0, 7168.0]
     # the default window is 1024 steps: the first amax still decides after 5 steps
@@ -440,3 +442,23 @@ def test_wandb_table_and_summaries_carry_the_storage_telemetry(
     assert logged["sqnr_db/min"] == pytest.approx(min(sqnr))
     assert logged["sqnr_db/mean"] == pytest.approx(sum(sqnr) / len(sqnr))
     assert logged["grad_scale/max"] == pytest.approx(max(last["grad_scale_max"].values()))
+
+
+@pytest.mark.parametrize("grad_scaling", ["tensor_current", "tensor_delayed", "mx_block"])
+def test_no_host_sync_in_the_backward_pass(grad_scaling: str) -> None:
+    # amaxes, scales and histories stay tensors: the ATen-level trap of tests/sync_trap.py sees no value read
+    # on the host and no tensor built from host data in a backward pass, with telemetry's probes recording too
+    from sync_trap import no_host_sync
+
+    precision = Precision("fp8_e4m3", "cpu", grad_scaling=grad_scaling)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 40, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(40 * 4, 5)
+    )
+    precision.prepare(model)
+    monitor = UnderflowMonitor(every=1, fmt=E4M3)
+    for step in range(2):
+        with precision.autocast(monitor=monitor if step else None):
+            loss = model(torch.randn(2, 3, 4, 4)).square().mean()
+        with no_host_sync():
+            loss.backward()
+    assert set(monitor.underflow_rates()) == {"0", "3"} and set(monitor.last_storage["sqnr_db"]) == {"0", "3"}

@@ -232,14 +232,15 @@ def delayed_update(
     (``history[i] <- history[i+1]``, the recorded amax moves to the end, the oldest one drops out) and slot 0
     is cleared for the next step.
     """
-    current = history.clone()
-    current[0] = amax.float()
+    current = torch.cat([amax.float().reshape(1), history[1:]])
     chosen = current.max() if recipe.amax_compute == "max" else current[0]
     new_scale = (fp8_max / chosen) / 2.0**recipe.margin
     keep = (chosen == 0) | ~torch.isfinite(chosen)
     new_scale = torch.where(keep, scale, new_scale)
-    rolled = torch.roll(current, -1)
-    rolled[0] = 0.0
+    if current.numel() == 1:
+        return torch.zeros_like(current), new_scale
+    # rolled by one with slot 0 cleared: [0, h2, ..., h_(len-1), h0] (h1, the oldest, leaves the window)
+    rolled = torch.cat([torch.zeros_like(current[:1]), current[2:], current[:1]])
     return rolled, new_scale
 
 
