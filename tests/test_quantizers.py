@@ -46,7 +46,7 @@ from adaloss.numerics.quantizers import (
     recipe_from_config,
 )
 from adaloss.precision import Precision
-from adaloss.telemetry import STORAGE_KEYS, UnderflowMonitor
+from adaloss.telemetry import COUNTERFACTUAL_RECIPES, STORAGE_KEYS, UnderflowMonitor
 
 E4M3, E5M2 = get_format("fp8_e4m3"), get_format("fp8_e5m2")
 F32_MAX = torch.finfo(torch.float32).max
@@ -462,3 +462,56 @@ def test_no_host_sync_in_the_backward_pass(grad_scaling: str) -> None:
         with no_host_sync():
             loss.backward()
     assert set(monitor.underflow_rates()) == {"0", "3"} and set(monitor.last_storage["sqnr_db"]) == {"0", "3"}
+
+
+def test_counterfactual_mode_measures_every_recipe_on_the_same_gradients(
+    make_full_cfg: Callable[..., DictConfig], tmp_path: Path
+) -> None:
+    metrics = train(
+        make_full_cfg(
+            *GPT_FP8,
+            "precision.grad_scaling=tensor_current",
+            "scaler=dynamic",
+            "telemetry.counterfactual=true",
+        )
+    )
+    last = json.loads((tmp_path / "telemetry.jsonl").read_text().splitlines()[-1])
+    counterfactual = last["counterfactual"]
+    assert set(counterfactual) == set(COUNTERFACTUAL_RECIPES)
+    for recipe, quantities in counterfactual.items():
+        assert set(quantities) == {"underflow_rate", *STORAGE_KEYS}
+        assert all(set(values) == set(last["underflow_rate"]) for values in quantities.values()), recipe
+    # the run's own recipe, applied again to the same gradients, gives the run's own numbers
+    for key in ("saturation_rate", "grad_scale_min", "grad_scale_max", "sqnr_db"):
+        assert counterfactual["tensor_current"][key] == pytest.approx(last[key])
+    assert counterfactual["tensor_current"]["underflow_rate"] == pytest.approx(last["underflow_rate"])
+    # the global scale's tensors keep the scale 1; tensor_current's put the amax at E4M3's 448
+    assert set(counterfactual["none"]["grad_scale_max"].values()) == {1.0}
+    assert set(counterfactual["tensor_current"]["grad_scale_max"].values()) != {1.0}
+    assert metrics["counterfactual"] == counterfactual  # the same numbers (JSON keeps floats exact)
+
+
+def test_counterfactual_probe_matches_hand_values() -> None:
+    # g = [1, 2^-12, 1000] in E4M3: none flushes 2^-12 and saturates 1000 (as above); tensor_current scales by
+    # 448 / 1000 = 0.448: 2^-12 * 0.448 = 1.09e-4 is below 2^-10 and flushes too, nothing saturates; mx_block
+    # floor: amax 1000 = 1.95 * 2^9 -> e = 9 - 8 = 1, 1000 / 2 = 500 > 448 saturates; ceil: e = ceil(log2(
+    # 1000 / 448)) = 2, 1000 / 4 = 250, nothing saturates
+    monitor = UnderflowMonitor(every=1, fmt=E4M3, counterfactual=True)
+    quantize_grad(_t(1.0, 2.0**-12, 1000.0, 0.0), E4M3, None, monitor.probe("fc"))
+    monitor.underflow_rates()
+    counterfactual = monitor.last_storage["counterfactual"]
+    assert {r: q["underflow_rate"]["fc"] for r, q in counterfactual.items()} == {
+        "none": 0.25, "tensor_current": 0.25, "tensor_current_pow2": 0.25, "mx_block_floor": 0.25,
+        "mx_block_ceil": 0.25,
+    }  # fmt: skip
+    assert {r: q["saturation_rate"]["fc"] for r, q in counterfactual.items()} == {
+        "none": 0.25, "tensor_current": 0.0, "tensor_current_pow2": 0.0, "mx_block_floor": 0.25,
+        "mx_block_ceil": 0.0,
+    }  # fmt: skip
+    # pow2 floor of 0.448 = 0.897 * 2^-1 -> 2^-2; mx scales are 1/X: 2^-1 (floor), 2^-2 (ceil)
+    assert {r: q["grad_scale_max"]["fc"] for r, q in counterfactual.items()} == pytest.approx(
+        {"none": 1.0, "tensor_current": 0.448, "tensor_current_pow2": 0.25, "mx_block_floor": 0.5,
+         "mx_block_ceil": 0.25}
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="telemetry.counterfactual must be true or false"):
+        UnderflowMonitor(counterfactual="yes")

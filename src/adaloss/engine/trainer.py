@@ -241,6 +241,7 @@ def _train(
         fmt=precision.telemetry_format,
         expected_loss_scale=bool(cfg.telemetry.get("expected_loss_scale", False)),
         quantile=cfg.telemetry.get("quantile", 0.01),
+        counterfactual=cfg.telemetry.get("counterfactual", False),  # every recipe on the same gradients
     )
     guard = DivergenceGuard(cfg.trainer.get("max_consecutive_overflows", 100))
     on_divergence = str(cfg.trainer.get("on_divergence", "fail"))
