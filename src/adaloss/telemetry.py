@@ -18,7 +18,9 @@ passed the format's largest value (clamped there by a gradient quantizer, Inf fo
 ``grad_scale_min`` / ``grad_scale_max``, the range of the gradient quantizer's scales over the layer's tensors
 or MX blocks (1 without a quantizer, ``precision.grad_scaling=none``); and ``sqnr_db``, the signal to
 quantization-noise ratio ``10 log10(sum g^2 / sum (g - q)^2)`` of the stored gradient ``q`` against the
-unquantized ``g`` (finite elements; Inf when nothing changed, as for an FP32 run's uncounted gradients).
+unquantized ``g`` (finite elements; Inf when storing changed nothing). An FP32 run stores nothing in a lower
+format; its numbers say what plain rounding to ``telemetry.format`` would do, as its underflow rates do.
+Under data parallelism these four are rank 0's (the underflow rates are averaged over the ranks).
 
 **Counterfactual mode** (``counterfactual=True``, ``telemetry.counterfactual=true``): on each telemetry step
 every probed gradient is also stored, for the measurement only, under each recipe of
