@@ -515,3 +515,32 @@ def test_counterfactual_probe_matches_hand_values() -> None:
     )  # fmt: skip
     with pytest.raises(ConfigError, match="telemetry.counterfactual must be true or false"):
         UnderflowMonitor(counterfactual="yes")
+
+
+def test_the_issue_command_trains_on_the_cpu_and_writes_the_storage_telemetry(tmp_path: Path) -> None:
+    """The issue's command as a user types it (one child process), shrunk by overrides; a recipe with
+    options is a mapping on the command line."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    command = [
+        sys.executable, "train.py", "model=gpt", "dataset=pystdlib", "precision=fp8_e4m3",
+        "precision.grad_scaling=mx_block", "scaler=adaptive", *GPT_FP8[3:], "device=cpu", "logger=none",
+        "trainer.progress_bar=false", f"hydra.run.dir={tmp_path / 'mx'}",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [json.loads(line) for line in (tmp_path / "mx" / "telemetry.jsonl").read_text().splitlines()]
+    assert lines and all(GPT_LAYERS <= set(r[key]) for r in lines for key in STORAGE_KEYS)
+    # a recipe with options: {name: ..., field: value}
+    options = ["precision.grad_scaling={name:mx_block,rounding:ceil}", "scaler=dynamic"]
+    command = [*command[:5], *options, *command[7:-1], f"hydra.run.dir={tmp_path / 'ceil'}"]
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    written = json.loads((tmp_path / "ceil" / "metrics.json").read_text())
+    assert written["config"]["precision"]["grad_scaling"] == {"name": "mx_block", "rounding": "ceil"}
+    assert max(written["grad_scale_max"].values()) > 1.0
