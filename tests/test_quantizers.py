@@ -531,7 +531,9 @@ def test_the_issue_command_trains_on_the_cpu_and_writes_the_storage_telemetry(tm
         "precision.grad_scaling=mx_block", "scaler=adaptive", *GPT_FP8[3:], "device=cpu", "logger=none",
         "trainer.progress_bar=false", f"hydra.run.dir={tmp_path / 'mx'}",
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # this checkout's package first, whichever one the virtual environment has installed
+    path = os.pathsep.join(p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [json.loads(line) for line in (tmp_path / "mx" / "telemetry.jsonl").read_text().splitlines()]
