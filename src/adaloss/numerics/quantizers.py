@@ -13,6 +13,13 @@ its FP8 operand and its scale, as Transformer Engine's and torchao's emulations 
 - ``mx_block`` (OCP Microscaling v1.0; Mishra et al. 2025): ``s = 2^-e`` per block of 32 elements, ``e``
   an E8M0 exponent (``floor``, ``ceil`` or ``rceil``).
 
+Which gradients: every one the emulation stores in the gradient format (``EmulatedAutocast``'s rounding
+nodes): the gradient of each stored activation (GEMM outputs and every other value autocast would keep in
+FP16) and of each weight's per-step low-precision copy. Transformer Engine quantizes the gradient entering
+each GEMM's backward and keeps the weight-gradient output in higher precision; the emulation has always
+stored all of these in the gradient format, and the quantizers keep that scope, so ``none`` and the other
+recipes differ only in scaling.
+
 The stored value is ``round(clamp(x * s, -fp8_max, fp8_max)) / s``: scaled values past the format's largest
 finite value saturate (TE's and the OCP conversion's behaviour), and an element that is Inf or NaN stays
 as it is so the loss scalers still see the overflow (also under ``none`` for E4M3, whose torch cast would
@@ -95,6 +102,11 @@ class DelayedScaling:
     ``history_len`` amaxes, so a non-finite amax (an overflowing step) freezes the scale under ``max`` until
     it has left the window, as in TE. Values the stale scale pushes past ``fp8_max`` saturate. The state is
     part of the run (:meth:`GradQuantizer.state_dict`).
+
+    A site is the n-th gradient-storing value of a forward pass (with its layer's name), so the same
+    tensor of every training step shares one history; a model whose forward pass stores a different
+    sequence of values from step to step would mix histories. Under data parallelism each rank keeps its
+    own histories (TE's ``reduce_amax=False``): amaxes are not all-reduced.
 
     Args:
         margin (int, default 0): head-room in powers of two: the scale is divided by ``2^margin``.
