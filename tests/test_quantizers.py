@@ -546,3 +546,20 @@ def test_the_issue_command_trains_on_the_cpu_and_writes_the_storage_telemetry(tm
     written = json.loads((tmp_path / "ceil" / "metrics.json").read_text())
     assert written["config"]["precision"]["grad_scaling"] == {"name": "mx_block", "rounding": "ceil"}
     assert max(written["grad_scale_max"].values()) > 1.0
+
+
+def test_sqnr_of_extreme_sums() -> None:
+    from adaloss.telemetry import sqnr_db
+
+    # 10 log10(100 / 1) = 20 dB; nothing changed: Inf; a finite gradient stored as Inf (plain FP16 or E5M2
+    # overflow) makes the noise Inf: -Inf; no signal: -Inf; NaN in: NaN
+    assert sqnr_db(100.0, 1.0) == pytest.approx(20.0) and sqnr_db(1.0, 0.0) == math.inf
+    assert sqnr_db(1.0, math.inf) == -math.inf and sqnr_db(0.0, 1.0) == -math.inf
+    assert math.isnan(sqnr_db(math.nan, 1.0)) and sqnr_db(1e-300, 1e300) == -math.inf
+    # a probe on an overflowing E5M2 gradient: 1e5 > 57344 rounds to Inf; squares in float64
+    probe = Probe(E5M2)
+    probe.record(_t(1e5, 1.0))
+    assert probe.noise.item() == math.inf and probe.saturated.item() == 1
+    probe = Probe(get_format("fp16"))
+    probe.record(_t(3e19, 1.0))  # (3e19)^2 overflows float32, not float64
+    assert math.isfinite(probe.signal.item())

@@ -223,8 +223,18 @@ def _storage_values(
         out["saturation_rate"][name] = saturated / numel[name]
         out["grad_scale_min"][name] = low
         out["grad_scale_max"][name] = high
-        if noise > 0:
-            out["sqnr_db"][name] = 10.0 * math.log10(signal / noise) if signal > 0 else -math.inf
-        else:
-            out["sqnr_db"][name] = math.inf
+        out["sqnr_db"][name] = sqnr_db(signal, noise)
     return out
+
+
+def sqnr_db(signal: float, noise: float) -> float:
+    """``10 log10(signal / noise)``: Inf for no noise, -Inf for no signal or infinite noise (a finite value
+    stored as Inf), NaN when either sum is NaN."""
+    if math.isnan(signal) or math.isnan(noise):
+        return math.nan
+    if noise == 0:
+        return math.inf
+    ratio = signal / noise
+    if ratio == 0:
+        return -math.inf
+    return math.inf if math.isinf(ratio) else 10.0 * math.log10(ratio)

@@ -344,9 +344,11 @@ class Probe:
             saturated = (torch.isfinite(grad) & (grad.abs() > self.fmt.u_max)).sum()
             stats = QuantStats(saturated, one, one)
         finite = torch.isfinite(grad)
-        g = torch.where(finite, grad, 0.0)
-        signal = torch.sum(g * g, dtype=torch.float64)
-        noise = torch.sum(torch.where(finite, (grad - rounded).square(), 0.0), dtype=torch.float64)
+        g = torch.where(
+            finite, grad, 0.0
+        ).double()  # float64: squares of large (loss-scaled) values stay finite
+        signal = (g * g).sum()
+        noise = torch.where(finite, (g - rounded.double()).square(), 0.0).sum()
         pairs = [("saturated", stats.saturated, torch.add), ("signal", signal, torch.add)]
         pairs += [("noise", noise, torch.add)]
         if stats.scale_min is not None:
