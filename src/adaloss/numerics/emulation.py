@@ -344,9 +344,8 @@ class Probe:
             saturated = (torch.isfinite(grad) & (grad.abs() > self.fmt.u_max)).sum()
             stats = QuantStats(saturated, one, one)
         finite = torch.isfinite(grad)
-        g = torch.where(
-            finite, grad, 0.0
-        ).double()  # float64: squares of large (loss-scaled) values stay finite
+        # float64: the squares of large (loss-scaled) values stay finite
+        g = torch.where(finite, grad, 0.0).double()
         signal = (g * g).sum()
         noise = torch.where(finite, (g - rounded.double()).square(), 0.0).sum()
         pairs = [("saturated", stats.saturated, torch.add), ("signal", signal, torch.add)]
@@ -390,7 +389,9 @@ class _RoundInplace(torch.autograd.Function):
     """In-place variant for results of in-place ops (``out += identity``)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, fmt: FloatFormat, grad_fmt: FloatFormat, site=None):  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx, x: torch.Tensor, fmt: FloatFormat, grad_fmt: FloatFormat, site: GradSite | None = None
+    ):
         ctx.fmt, ctx.site = grad_fmt, site
         round_to_format_(x, fmt)
         ctx.mark_dirty(x)
