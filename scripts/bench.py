@@ -2,7 +2,9 @@
 
 What it answers: how much does emulated FP16 cost over FP32, each loss scaler over no scaling, underflow
 telemetry over none, and the adaptive scaler over the dynamic one (at ``update_every`` 1 and 100, the
-paper's 27% and 0.27%), for the CIFAR ResNets 20/56/110 on synthetic 32x32 inputs.
+paper's 27% and 0.27%), for the CIFAR ResNets 20/56/110 on synthetic 32x32 inputs; and, informational, what
+each gradient quantizer (``precision.grad_scaling``: tensor_current, tensor_delayed, mx_block) costs over
+the global-scale FP8 E4M3 emulation, all under dynamic scaling (``fp8_*_over_global``).
 
 Why ratios, and why interleaved: the lab machines are shared (other test suites compete for the 2 cores),
 so an absolute step time says more about the neighbours than about the code, and two numbers taken minutes
@@ -128,6 +130,7 @@ class Spec:
     precision: str
     scaler: dict[str, Any]
     extra: str | None = None  # "telemetry" | "recompute" | None
+    grad_scaling: str = "none"  # precision.grad_scaling (FP8 precisions): the gradient quantizer's recipe
 
 
 SPECS: tuple[Spec, ...] = (
@@ -138,6 +141,16 @@ SPECS: tuple[Spec, ...] = (
     Spec("fp16_dynamic", "fp16", {"name": "dynamic"}),
     Spec("fp16_adaptive_u1", "fp16", {"name": "adaptive", "update_every": 1}),
     Spec("fp16_adaptive_u100", "fp16", {"name": "adaptive", "update_every": 100}, extra="recompute"),
+    # FP8 E4M3 gradients under dynamic scaling: the global scale only, and each gradient quantizer
+    Spec("fp8_dynamic", "fp8_e4m3", {"name": "dynamic"}),
+    *(
+        Spec(f"fp8_{short}_dynamic", "fp8_e4m3", {"name": "dynamic"}, grad_scaling=recipe)
+        for short, recipe in (
+            ("current", "tensor_current"),
+            ("delayed", "tensor_delayed"),
+            ("mx", "mx_block"),
+        )
+    ),
 )
 
 
@@ -220,6 +233,26 @@ RATIOS: tuple[RatioDef, ...] = (
         "adaptive reuse step (update_every=100) / dynamic step",
         None,
         lambda t: t("fp16_adaptive_u100", "reuse") / t("fp16_dynamic", "plain"),
+    ),
+    # Informational: what each gradient quantizer costs over the global-scale FP8 emulation (same scaler)
+    RatioDef(
+        "fp8_over_fp16",
+        "emulated FP8 E4M3 gradients / FP16 (dynamic, global scale)",
+        None,
+        lambda t: t("fp8_dynamic", "plain") / t("fp16_dynamic", "plain"),
+    ),
+    *(
+        RatioDef(
+            f"fp8_{short}_over_global",
+            f"FP8 E4M3 grad_scaling={recipe} / global scale (dynamic)",
+            None,
+            lambda t, short=short: t(f"fp8_{short}_dynamic", "plain") / t("fp8_dynamic", "plain"),
+        )
+        for short, recipe in (
+            ("current", "tensor_current"),
+            ("delayed", "tensor_delayed"),
+            ("mx", "mx_block"),
+        )
     ),
 )
 RATIO_KEYS = tuple(r.key for r in RATIOS)
@@ -326,7 +359,7 @@ class Runner:
 
         self.spec = spec
         self.replica = replica
-        self.precision = Precision(spec.precision, "cpu")
+        self.precision = Precision(spec.precision, "cpu", grad_scaling=spec.grad_scaling)
         self.scaler = build_scaler(OmegaConf.create(spec.scaler), self.precision.grad_format)
         model = copy.deepcopy(base_model)
         self.model = self.precision.prepare(self.scaler.attach(model))
@@ -1338,7 +1371,14 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         "lr": LR,
         "momentum": MOMENTUM,
         "configs": [
-            {"key": s.key, "precision": s.precision, "scaler": s.scaler, "extra": s.extra} for s in args.specs
+            {
+                "key": s.key,
+                "precision": s.precision,
+                "grad_scaling": s.grad_scaling,
+                "scaler": s.scaler,
+                "extra": s.extra,
+            }
+            for s in args.specs
         ],
         "plan": {m: PLAN[m] for m in args.models},
         "argv": args.argv,

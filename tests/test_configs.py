@@ -49,7 +49,7 @@ def test_every_group_has_the_expected_options() -> None:
     assert _options("optimizer") == ["adamw", "sgd"]
     assert _options("schedule") == ["cosine", "multistep"]
     assert _options("scaler") == ["adaptive", "dynamic", "fixed", "none"]
-    assert _options("precision") == ["bf16", "fp16", "fp32", "fp8_e5m2"]
+    assert _options("precision") == ["bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2"]
     assert _options("logger") == ["none", "wandb"]
     assert (CONFIG_DIR / "experiment").is_dir()
 

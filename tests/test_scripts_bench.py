@@ -28,6 +28,10 @@ BENCH_RATIOS = (
     "telemetry_step_over_step",
     "adaptive_recompute_over_dynamic",
     "adaptive_reuse_over_dynamic",
+    "fp8_over_fp16",
+    "fp8_current_over_global",
+    "fp8_delayed_over_global",
+    "fp8_mx_over_global",
 )
 TARGETS = {
     "fp16_over_fp32": 1.15,

@@ -9,7 +9,13 @@ fp16        ``torch.autocast(<device>, float16)``, FP32     :class:`EmulatedAuto
             weights, cudnn.benchmark)
 bf16        ``torch.autocast(<device>, bfloat16)``          emulation rounding to BF16
 fp8_e5m2    (none: no FP8 autocast exists)                  FP16 weights/activations, FP8 e5m2 gradients
+fp8_e4m3    (none: no FP8 autocast exists)                  FP16 weights/activations, FP8 e4m3 gradients
 =========== ============================================== =================================================
+
+``precision.grad_scaling`` (FP8 precisions only; default ``none``): how each stored gradient is scaled into
+the FP8 range before it is rounded (:mod:`adaloss.numerics.quantizers`): ``none`` (the loss scale only),
+``tensor_current``, ``tensor_delayed`` or ``mx_block``, or a mapping ``{name: mx_block, rounding: ceil}``
+with the recipe's fields.
 
 ``precision.backend``: ``auto`` (the default: ``autocast`` on CUDA, ``emulate`` on the CPU), ``autocast`` or
 ``emulate``. ``precision.backend=autocast device=cpu`` runs the exact code a GPU run takes, with real FP16 or
@@ -34,10 +40,13 @@ from torch import nn
 from adaloss.errors import ConfigError
 from adaloss.numerics.emulation import LAYER_NAMES, EmulatedAutocast
 from adaloss.numerics.formats import FORMATS, FloatFormat, get_format
+from adaloss.numerics.quantizers import GlobalScaling, GradQuantizer, recipe_from_config
 
 __all__ = ["Precision", "PRECISION_NAMES", "GEMM_MODULES"]
 
-PRECISION_NAMES = ("fp32", "fp16", "bf16", "fp8_e5m2")
+PRECISION_NAMES = ("fp32", "fp16", "bf16", "fp8_e5m2", "fp8_e4m3")
+#: The precisions whose gradients are FP8 (FP16 weights and activations): the ones with gradient quantizers.
+FP8_PRECISIONS = ("fp8_e5m2", "fp8_e4m3")
 #: The values of ``precision.backend``.
 BACKENDS = ("auto", "autocast", "emulate")
 
@@ -57,13 +66,14 @@ class Precision:
     """How forward and backward numbers are stored during training.
 
     Args:
-        name (str): ``fp32``, ``fp16``, ``bf16`` or ``fp8_e5m2``.
+        name (str): ``fp32``, ``fp16``, ``bf16``, ``fp8_e5m2`` or ``fp8_e4m3``.
         device (str or torch.device): the training device.
         telemetry_format (str, optional, default="fp16"): the format underflow is measured against when the
             run itself is FP32.
         backend (str, optional, default="auto"): ``autocast`` (real half tensors on the device), ``emulate``
             (FP32 compute rounded to the format), or ``auto`` (autocast on CUDA, emulation on the CPU).
         allow_tf32 (bool, optional, default=False): let CUDA run FP32 matmuls and convolutions in TF32.
+        grad_scaling (str or mapping, optional, default="none"): the gradient quantizer's recipe (FP8 only).
     """
 
     def __init__(
@@ -73,6 +83,7 @@ class Precision:
         telemetry_format: str = "fp16",
         backend: str = "auto",
         allow_tf32: bool = False,
+        grad_scaling: Any = "none",
     ) -> None:
         name = str(name)
         if name not in PRECISION_NAMES:
@@ -91,9 +102,9 @@ class Precision:
         if name == "fp32":
             self.format: FloatFormat | None = None
             self.grad_format: FloatFormat | None = None
-        elif name == "fp8_e5m2":
+        elif name in FP8_PRECISIONS:
             self.format = get_format("fp16")
-            self.grad_format = get_format("fp8_e5m2")
+            self.grad_format = get_format(name)
         else:
             self.format = self.grad_format = get_format(name)
         self.telemetry_format = self.grad_format or get_format(telemetry_format)
@@ -103,9 +114,9 @@ class Precision:
                 f"unknown precision.backend '{backend}': choose one of {', '.join(BACKENDS)} "
                 "(e.g. precision.backend=autocast for real half tensors)"
             )
-        if backend == "autocast" and name == "fp8_e5m2":
+        if backend == "autocast" and name in FP8_PRECISIONS:
             raise ConfigError(
-                "precision=fp8_e5m2 has no autocast (PyTorch has no FP8 autocast): use "
+                f"precision={name} has no autocast (PyTorch has no FP8 autocast): use "
                 "precision.backend=emulate or auto"
             )
         if backend == "autocast" and name == "fp32":
@@ -122,12 +133,22 @@ class Precision:
         self.uses_autocast = self.backend == "autocast"
         self.emulated = self.backend == "emulate"
         self._hooks: list[Any] = []
+        recipe = recipe_from_config(grad_scaling)
+        if not isinstance(recipe, GlobalScaling) and name not in FP8_PRECISIONS:
+            raise ConfigError(
+                f"precision.grad_scaling={recipe.name} needs an FP8 precision (precision=fp8_e5m2 or "
+                f"fp8_e4m3); precision={name} scales its gradients with the loss scale only"
+            )
+        #: Scales the gradients the emulation stores (None for FP32); its state goes into checkpoints.
+        self.grad_quantizer = (
+            GradQuantizer(recipe, self.grad_format) if self.grad_format is not None else None
+        )
 
     @classmethod
     def from_config(cls, cfg: Any, device: str | torch.device, telemetry_format: str = "fp16") -> Precision:
-        """Build from the ``precision`` config group (``name``, ``backend``, ``allow_tf32``); an unknown
-        field is a ConfigError naming the fields there are."""
-        known = ("name", "backend", "allow_tf32")
+        """Build from the ``precision`` config group (``name``, ``backend``, ``allow_tf32``,
+        ``grad_scaling``); an unknown field is a ConfigError naming the fields there are."""
+        known = ("name", "backend", "allow_tf32", "grad_scaling")
         unknown = sorted(str(k) for k in cfg.keys() if k not in known)
         if unknown:
             raise ConfigError(
@@ -139,7 +160,18 @@ class Precision:
             telemetry_format=telemetry_format,
             backend=cfg.get("backend", "auto"),
             allow_tf32=cfg.get("allow_tf32", False),
+            grad_scaling=_plain(cfg.get("grad_scaling", "none")),
         )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The gradient quantizer's state (delayed scaling's amax histories and scales; tensors), for the
+        checkpoint; empty for FP32."""
+        return self.grad_quantizer.state_dict() if self.grad_quantizer is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (an empty state, e.g. an older checkpoint, restores nothing)."""
+        if state and self.grad_quantizer is not None:
+            self.grad_quantizer.load_state_dict(state)
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
@@ -180,16 +212,29 @@ class Precision:
         count each activation gradient before and after rounding. Entering it does not synchronize.
         """
         if monitor is not None:
-            return EmulatedAutocast(self.format, monitor=monitor, grad_fmt=self.grad_format)
+            return EmulatedAutocast(
+                self.format, monitor=monitor, grad_fmt=self.grad_format, grad_quantizer=self.grad_quantizer
+            )
         if self.uses_autocast:
             return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
         if self.emulated:
-            return EmulatedAutocast(self.format, grad_fmt=self.grad_format)
+            return EmulatedAutocast(
+                self.format, grad_fmt=self.grad_format, grad_quantizer=self.grad_quantizer
+            )
         return contextlib.nullcontext()
 
     def __repr__(self) -> str:
         mode = "autocast" if self.uses_autocast else ("emulated" if self.emulated else "native")
         return f"Precision({self.name}, {self.device}, {mode})"
+
+
+def _plain(value: Any) -> Any:
+    """A config node as plain Python (an OmegaConf mapping becomes a dict); other values unchanged."""
+    try:
+        from omegaconf import DictConfig, OmegaConf
+    except ImportError:  # pragma: no cover - omegaconf comes with hydra
+        return value
+    return OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) else value
 
 
 def _channels_last_4d(model: nn.Module) -> None:

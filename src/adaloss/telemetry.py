@@ -12,6 +12,25 @@ Optionally (``expected_loss_scale=True``) each layer's *expected loss scale* is 
 gradient, i.e. the scale that would lift all but the smallest ``quantile`` share of them to 1 (the paper's
 Figure 1b uses ``quantile = 0.01``).
 
+Each layer's gradient storage is described too (:data:`STORAGE_KEYS`, read ``last_storage`` after
+:meth:`UnderflowMonitor.underflow_rates`): ``saturation_rate``, the share of elements whose scaled magnitude
+passed the format's largest value (clamped there by a gradient quantizer, Inf for plain E5M2 rounding);
+``grad_scale_min`` / ``grad_scale_max``, the range of the gradient quantizer's scales over the layer's tensors
+or MX blocks (1 without a quantizer, ``precision.grad_scaling=none``); and ``sqnr_db``, the signal to
+quantization-noise ratio ``10 log10(sum g^2 / sum (g - q)^2)`` of the stored gradient ``q`` against the
+unquantized ``g`` (finite elements; Inf when storing changed nothing). An FP32 run stores nothing in a lower
+format; its numbers say what plain rounding to ``telemetry.format`` would do, as its underflow rates do.
+Under data parallelism these four are rank 0's (the underflow rates are averaged over the ranks).
+
+**Counterfactual mode** (``counterfactual=True``, ``telemetry.counterfactual=true``): on each telemetry step
+every probed gradient is also stored, for the measurement only, under each recipe of
+:data:`COUNTERFACTUAL_RECIPES` (the gradient the run itself stored flows on unchanged), so one batch shows
+what every other recipe would have done to the same gradients: ``last_storage["counterfactual"]`` is
+``{recipe: {quantity: {layer: value}}}`` with ``underflow_rate`` and the :data:`STORAGE_KEYS`. Delayed
+scaling is left out: its scale depends on the run's history, not on the batch. The gradients are the ones
+that reached each layer in this run (upstream layers stored theirs under the run's own recipe). Cost on
+telemetry steps: five more quantizations per probed gradient.
+
 Telemetry is sampled on the first iteration, every ``every`` iterations and on the last iteration, so its
 cost (one extra comparison pass per probed gradient and one host sync per telemetry step) is negligible in
 long runs while short runs still report it, and the final numbers describe the end of training (a 200-step
@@ -20,11 +39,50 @@ run with ``every=100`` samples iterations 0, 100 and 199, not 0 and 100 only).
 
 from __future__ import annotations
 
+import math
+
 from adaloss.errors import ConfigError
 from adaloss.numerics.emulation import Probe
 from adaloss.numerics.formats import FloatFormat, get_format
+from adaloss.numerics.quantizers import (
+    CurrentScaling,
+    GlobalScaling,
+    GradQuantizer,
+    MXBlockScaling,
+    QuantStats,
+)
 
-__all__ = ["UnderflowMonitor"]
+__all__ = ["UnderflowMonitor", "STORAGE_KEYS", "COUNTERFACTUAL_RECIPES"]
+
+#: The per-layer gradient-storage quantities of a telemetry step (module docstring), in record order.
+STORAGE_KEYS = ("saturation_rate", "grad_scale_min", "grad_scale_max", "sqnr_db")
+#: The recipes the counterfactual mode applies to each probed gradient (module docstring).
+COUNTERFACTUAL_RECIPES = {
+    "none": GlobalScaling(),
+    "tensor_current": CurrentScaling(),
+    "tensor_current_pow2": CurrentScaling(power_2_scale=True),
+    "mx_block_floor": MXBlockScaling(rounding="floor"),
+    "mx_block_ceil": MXBlockScaling(rounding="ceil"),
+}
+
+
+class _CounterfactualProbe(Probe):
+    """A probe that also stores each gradient it sees under every counterfactual recipe, each counted by its
+    own probe (``alternatives``); the stored values are dropped. No host sync."""
+
+    def __init__(self, fmt: FloatFormat, quantile: float | None) -> None:
+        super().__init__(fmt, quantile)
+        self.alternatives = {
+            label: (GradQuantizer(recipe, fmt), Probe(fmt))
+            for label, recipe in COUNTERFACTUAL_RECIPES.items()
+        }
+
+    def record(self, grad, rounded=None, stats: QuantStats | None = None) -> None:  # type: ignore[override]
+        super().record(grad, rounded, stats)
+        dim = 1 if grad.dim() in (4, 5) else -1  # the emulation's block dimension (grad_site)
+        for label, (quantizer, probe) in self.alternatives.items():
+            out, alt = quantizer.quantize(grad.detach(), label, dim, stats=True)
+            probe.record(grad, out, alt)
 
 
 class UnderflowMonitor:
@@ -51,6 +109,8 @@ class UnderflowMonitor:
             probed gradient on telemetry steps.
         quantile (float, optional, default=0.01): the share of smallest non-zero magnitudes the expected
             loss scale may leave below 1; in (0, 1).
+        counterfactual (bool, optional, default=False): also measure what each recipe of
+            :data:`COUNTERFACTUAL_RECIPES` would have done to the same gradients (module docstring).
     """
 
     def __init__(
@@ -59,6 +119,7 @@ class UnderflowMonitor:
         fmt: str | FloatFormat = "fp16",
         expected_loss_scale: bool = False,
         quantile: float = 0.01,
+        counterfactual: bool = False,
     ) -> None:
         try:
             every = int(every)
@@ -71,9 +132,15 @@ class UnderflowMonitor:
         self.every = every
         self.fmt = get_format(fmt)
         self.quantile = float(quantile) if expected_loss_scale else None
+        if not isinstance(counterfactual, bool):
+            raise ConfigError(f"telemetry.counterfactual must be true or false, got {counterfactual!r}")
+        self._probe_type = _CounterfactualProbe if counterfactual else Probe
         self._probes: dict[str, Probe] = {}
         self.last_rates: dict[str, float] = {}
         self.last_expected_loss_scale: dict[str, float] = {}
+        #: ``{key: {layer: value}}`` for :data:`STORAGE_KEYS` (and ``counterfactual``), set by
+        #: :meth:`underflow_rates`.
+        self.last_storage: dict[str, dict[str, float]] = {}
 
     def due(self, step: int, steps: int | None = None) -> bool:
         """Whether iteration ``step`` (0-based) is a telemetry step: the first, every ``every``-th and, when
@@ -85,7 +152,7 @@ class UnderflowMonitor:
         """The probe that counts the gradient of layer ``name`` this step (created on first use)."""
         p = self._probes.get(name)
         if p is None:
-            p = self._probes[name] = Probe(self.fmt, self.quantile)
+            p = self._probes[name] = self._probe_type(self.fmt, self.quantile)
         return p
 
     def underflow_rates(self) -> dict[str, float]:
@@ -99,16 +166,29 @@ class UnderflowMonitor:
         if not names:
             self._probes.clear()
             self.last_expected_loss_scale = {}
+            self.last_storage = {}
             return {}
         import torch
 
         kth_names = [n for n in names if self._probes[n].kth is not None]
         values = [self._probes[n].underflow.float() for n in names]
         values += [self._probes[n].kth.float() for n in kth_names]
-        flat = torch.stack(values).cpu().tolist()
-        counts, kths = flat[: len(names)], flat[len(names) :]
-        rates = {n: c / self._probes[n].numel for n, c in zip(names, counts, strict=True)}
+        storage = [_storage_row(self._probes[n]) for n in names]  # each: 6 float64 scalars
+        labels = list(COUNTERFACTUAL_RECIPES) if self._probe_type is _CounterfactualProbe else []
+        storage += [_storage_row(self._probes[n].alternatives[lb][1]) for lb in labels for n in names]
+        flat = torch.cat([torch.stack(values).double(), *storage]).cpu().tolist()
+        counts, kths = flat[: len(names)], flat[len(names) : len(names) + len(kth_names)]
+        rows = flat[len(names) + len(kth_names) :]
+        numel = {n: self._probes[n].numel for n in names}
+        rates = {n: c / numel[n] for n, c in zip(names, counts, strict=True)}
         self.last_expected_loss_scale = {n: 1.0 / k for n, k in zip(kth_names, kths, strict=True) if k > 0}
+        self.last_storage = _storage_values(names, rows[: 6 * len(names)], numel)
+        if labels:
+            width = 6 * len(names)
+            self.last_storage["counterfactual"] = {
+                label: _storage_values(names, rows[width * (i + 1) : width * (i + 2)], numel, with_rate=True)
+                for i, label in enumerate(labels)
+            }
         self._probes.clear()
         self.last_rates = rates
         return rates
@@ -117,3 +197,44 @@ class UnderflowMonitor:
     def mean_rate(rates: dict[str, float]) -> float:
         """Unweighted mean over layers (each layer counts once, as in the paper's per-layer plots)."""
         return sum(rates.values()) / len(rates) if rates else 0.0
+
+
+def _storage_row(probe: Probe):
+    """``[saturated, scale_min, scale_max, signal, noise, underflow]`` of one probe as a float64 tensor (NaN
+    where a quantity was never recorded); stacked with the other counts for the one host sync."""
+    import torch
+
+    nan = torch.tensor(float("nan"), dtype=torch.float64, device=probe.underflow.device)
+    parts = [probe.saturated, probe.scale_min, probe.scale_max, probe.signal, probe.noise, probe.underflow]
+    return torch.stack([nan if t is None else t.detach().double().reshape(()) for t in parts])
+
+
+def _storage_values(
+    names: list[str], flat: list[float], numel: dict[str, int], with_rate: bool = False
+) -> dict[str, dict[str, float]]:
+    """The :data:`STORAGE_KEYS` per layer from the probes' rows (``flat``: 6 numbers per layer); with
+    ``with_rate``, ``underflow_rate`` first."""
+    keys = ("underflow_rate", *STORAGE_KEYS) if with_rate else STORAGE_KEYS
+    out: dict[str, dict[str, float]] = {key: {} for key in keys}
+    for i, name in enumerate(names):
+        saturated, low, high, signal, noise, underflow = flat[6 * i : 6 * i + 6]
+        if with_rate:
+            out["underflow_rate"][name] = underflow / numel[name]
+        out["saturation_rate"][name] = saturated / numel[name]
+        out["grad_scale_min"][name] = low
+        out["grad_scale_max"][name] = high
+        out["sqnr_db"][name] = sqnr_db(signal, noise)
+    return out
+
+
+def sqnr_db(signal: float, noise: float) -> float:
+    """``10 log10(signal / noise)``: Inf for no noise, -Inf for no signal or infinite noise (a finite value
+    stored as Inf), NaN when either sum is NaN."""
+    if math.isnan(signal) or math.isnan(noise):
+        return math.nan
+    if noise == 0:
+        return math.inf
+    ratio = signal / noise
+    if ratio == 0:
+        return -math.inf
+    return math.inf if math.isinf(ratio) else 10.0 * math.log10(ratio)

@@ -241,6 +241,7 @@ def _train(
         fmt=precision.telemetry_format,
         expected_loss_scale=bool(cfg.telemetry.get("expected_loss_scale", False)),
         quantile=cfg.telemetry.get("quantile", 0.01),
+        counterfactual=cfg.telemetry.get("counterfactual", False),  # every recipe on the same gradients
     )
     guard = DivergenceGuard(cfg.trainer.get("max_consecutive_overflows", 100))
     on_divergence = str(cfg.trainer.get("on_divergence", "fail"))
@@ -373,7 +374,9 @@ def _train(
                     # note: one host sync; under DDP also one all-reduce (the mean over the ranks)
                     progress.rates = rates = ranks.mean_rates(monitor.underflow_rates())
                     with writing("telemetry", history.path):
-                        record = history.append(done, rates, scaler, monitor.last_expected_loss_scale)
+                        record = history.append(
+                            done, rates, scaler, monitor.last_expected_loss_scale, monitor.last_storage
+                        )
                     logger.log_telemetry(record, step=done)  # per-layer table and heatmap, summary scalars
                     logger.log(_scaler_metrics(scaler), step=done)
 
@@ -463,6 +466,7 @@ def _train(
         "loss_scale": scaler.loss_scale_metric(),
         "underflow_rate": rates,
         "mean_underflow_rate": UnderflowMonitor.mean_rate(rates),
+        **monitor.last_storage,  # saturation_rate, grad_scale_min/max, sqnr_db of the last telemetry step
         "train_loss": progress.train_loss,
         **({"train_accuracy": progress.train_accuracy} if progress.train_accuracy is not None else {}),
         "lr": optimizer.param_groups[0]["lr"],  # final; unchanged by skipped steps
@@ -594,7 +598,9 @@ class _TelemetryLog:
 
     Each line: ``step`` (iterations completed), ``underflow_rate`` ``{layer: rate}``, ``loss_scale`` (a
     float, or ``{layer: alpha}`` for the adaptive scaler, which adds ``loss_scale_beta``) and, when
-    recorded, ``expected_loss_scale`` ``{layer: scale}``. Appending a line is atomic enough for a reader:
+    recorded, ``expected_loss_scale`` ``{layer: scale}``; then the gradient-storage quantities
+    (``saturation_rate``, ``grad_scale_min``, ``grad_scale_max``, ``sqnr_db``, each ``{layer: value}``,
+    :data:`adaloss.telemetry.STORAGE_KEYS`). Appending a line is atomic enough for a reader:
     a run killed mid-write leaves at most one truncated last line, which readers skip. Cost: one small
     write per telemetry step.
     """
@@ -604,7 +610,12 @@ class _TelemetryLog:
         self.enabled = enabled  # False on data-parallel ranks other than 0: they write nothing
 
     def append(
-        self, step: int, rates: dict[str, float], scaler: LossScaler, expected: dict[str, float]
+        self,
+        step: int,
+        rates: dict[str, float],
+        scaler: LossScaler,
+        expected: dict[str, float],
+        storage: dict[str, dict[str, float]] | None = None,
     ) -> dict[str, Any]:
         """Write the telemetry step's line (rank 0 only) and return it (W&B logs the same record)."""
         record: dict[str, Any] = {
@@ -617,6 +628,7 @@ class _TelemetryLog:
             record["loss_scale_beta"] = layer_betas()
         if expected:
             record["expected_loss_scale"] = expected
+        record.update(storage or {})
         if not self.enabled:
             return record
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,10 @@ evaluation) and ``last`` (the final one), ``train/loss`` its ``min`` and ``last`
 (:data:`SUMMARIES`). Each telemetry step (:meth:`WandbLogger.log_telemetry`) becomes one ``wandb.Table``
 (``underflow/table``: a row per layer with its underflow rate and loss scale), one heatmap image of the
 underflow of every layer at every telemetry step so far (``underflow/heatmap``) and three scalars:
-``underflow/mean``, ``underflow/max`` and ``underflow/layers_above_1pct``. One W&B series per layer and
+``underflow/mean``, ``underflow/max`` and ``underflow/layers_above_1pct``; when the record carries the
+gradient-storage quantities (``saturation_rate``, ``grad_scale_min``, ``grad_scale_max``, ``sqnr_db``), they
+are table columns too, with ``saturation/mean``, ``saturation/max``, ``sqnr_db/min``, ``sqnr_db/mean``,
+``grad_scale/min`` and ``grad_scale/max`` over the layers. One W&B series per layer and
 quantity (``underflow/<layer>``, ``loss_scale/<layer>`` ...: three panels per layer, about 330 on ResNet-110)
 only with ``logger.wandb.per_layer_series=true``.
 
@@ -55,11 +58,18 @@ SUMMARIES: dict[str, str] = {
     "underflow/mean": "min,max,last",
     "underflow/max": "min,max,last",
     "underflow/layers_above_1pct": "min,max,last",
+    "saturation/mean": "min,max,last",
+    "saturation/max": "min,max,last",
+    "sqnr_db/min": "min,max,last",
+    "sqnr_db/mean": "min,max,last",
     "loss_scale": "min,max,last",
     "loss_scale/min": "min,last",
     "loss_scale/max": "max,last",
     "images_per_s": "mean,last",
 }
+
+#: The per-layer gradient-storage columns of a telemetry record (``adaloss.telemetry.STORAGE_KEYS``).
+STORAGE_COLUMNS = ("saturation_rate", "grad_scale_min", "grad_scale_max", "sqnr_db")
 
 #: A layer counts in ``underflow/layers_above_1pct`` when more than this share of its gradient underflows.
 LAYER_ALARM_RATE = 0.01
@@ -321,7 +331,7 @@ class WandbLogger:
             wandb = self._wandb
             per_layer = {
                 key: record[key]
-                for key in ("loss_scale", "loss_scale_beta", "expected_loss_scale")
+                for key in ("loss_scale", "loss_scale_beta", "expected_loss_scale", *STORAGE_COLUMNS)
                 if isinstance(record.get(key), Mapping)
             }
             scale = record.get("loss_scale")
@@ -346,6 +356,7 @@ class WandbLogger:
                 "underflow/mean": sum(values) / len(values),
                 "underflow/max": max(values),
                 "underflow/layers_above_1pct": sum(v > LAYER_ALARM_RATE for v in values),
+                **_storage_summary(per_layer),
             }
             heat = self._heatmap_history(step)
             heat.add(step, rates)
@@ -511,6 +522,26 @@ def _auto_tags(config: Mapping[str, Any]) -> list[str]:
     if scale is not None:
         tags.append(f"scale={int(scale) if scale.is_integer() else scale:g}")
     return tags
+
+
+def _storage_summary(per_layer: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
+    """Scalars over the layers of the gradient-storage columns present: saturation mean/max, SQNR min/mean
+    (finite layers), the smallest and largest quantizer scale."""
+
+    def finite(key: str) -> list[float]:
+        values = (_float_or_none(v) for v in (per_layer.get(key) or {}).values())
+        return [v for v in values if v is not None and math.isfinite(v)]
+
+    out: dict[str, float] = {}
+    if saturation := finite("saturation_rate"):
+        out.update({"saturation/mean": sum(saturation) / len(saturation), "saturation/max": max(saturation)})
+    if sqnr := finite("sqnr_db"):
+        out.update({"sqnr_db/min": min(sqnr), "sqnr_db/mean": sum(sqnr) / len(sqnr)})
+    if low := finite("grad_scale_min"):
+        out["grad_scale/min"] = min(low)
+    if high := finite("grad_scale_max"):
+        out["grad_scale/max"] = max(high)
+    return out
 
 
 def build_logger(

@@ -42,6 +42,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from adaloss.numerics.formats import FloatFormat, round_to_format, round_to_format_
+from adaloss.numerics.quantizers import GradQuantizer, GradSite, QuantStats, quantize_grad
 
 __all__ = ["EmulatedAutocast", "active_emulation", "suspended", "Probe", "LayerNames"]
 
@@ -252,14 +253,22 @@ def _op_name(func: Any) -> str:
 class Probe:
     """Counts activation-gradient underflow for one layer: elements non-zero before rounding, zero after.
 
-    Counts accumulate as device tensors (no host sync); the monitor reads them once per telemetry step.
+    Also what storing the gradient did beyond underflow: ``saturated`` (finite elements whose scaled
+    magnitude passed the format's largest value: clamped there, or Inf for E5M2 without a quantizer), the
+    range of the quantizer's scales (``scale_min``/``scale_max``; 1 without one) and the squared error
+    against the unquantized gradient for the SQNR (``signal`` = sum g^2, ``noise`` = sum (g - q)^2 over the
+    finite elements, in float64). Counts accumulate as device tensors (no host sync); the monitor reads them
+    once per telemetry step.
     With ``quantile`` set, the probe also keeps the ``ceil(quantile * n)``-th smallest non-zero ``|g|`` of
     the ``n`` non-zero gradient elements (the smallest over repeated calls of the layer): the inverse is
     the layer's *expected loss scale* of the paper's Figure 1b. Cost: a selection of the non-zero elements
     and one ``kthvalue`` per call (a host sync on CUDA, for the data-dependent size): telemetry steps only.
     """
 
-    __slots__ = ("fmt", "underflow", "numel", "nonzero", "quantile", "kth")
+    __slots__ = (
+        "fmt", "underflow", "numel", "nonzero", "quantile", "kth", "saturated", "scale_min", "scale_max",
+        "signal", "noise",
+    )  # fmt: skip
 
     def __init__(self, fmt: FloatFormat, quantile: float | None = None) -> None:
         self.fmt = fmt
@@ -268,8 +277,17 @@ class Probe:
         self.numel = 0
         self.quantile = quantile
         self.kth: torch.Tensor | None = None
+        self.saturated: torch.Tensor | None = None
+        self.scale_min: torch.Tensor | None = None
+        self.scale_max: torch.Tensor | None = None
+        self.signal: torch.Tensor | None = None
+        self.noise: torch.Tensor | None = None
 
-    def record(self, grad: torch.Tensor, rounded: torch.Tensor | None = None) -> None:
+    def record(
+        self, grad: torch.Tensor, rounded: torch.Tensor | None = None, stats: QuantStats | None = None
+    ) -> None:
+        """Count ``grad`` against its stored value ``rounded`` (default: plain rounding to the format);
+        ``stats`` is what a quantizer reported (default: scale 1, saturation past the format's maximum)."""
         if rounded is None:
             rounded = round_to_format(grad, self.fmt)
         nz = grad != 0
@@ -278,6 +296,7 @@ class Probe:
         self.underflow = lost if self.underflow is None else self.underflow + lost
         self.nonzero = nzc if self.nonzero is None else self.nonzero + nzc
         self.numel += grad.numel()
+        self._record_storage(grad.detach(), rounded.detach(), stats)
         if self.quantile is not None:
             magnitudes = grad.detach().abs()[nz].float()
             if magnitudes.numel() > 0:
@@ -285,58 +304,86 @@ class Probe:
                 kth = magnitudes.kthvalue(k).values
                 self.kth = kth if self.kth is None else torch.minimum(self.kth, kth)
 
+    def _record_storage(self, grad: torch.Tensor, rounded: torch.Tensor, stats: QuantStats | None) -> None:
+        if stats is None:
+            one = torch.ones((), dtype=torch.float32, device=grad.device)
+            saturated = (torch.isfinite(grad) & (grad.abs() > self.fmt.u_max)).sum()
+            stats = QuantStats(saturated, one, one)
+        finite = torch.isfinite(grad)
+        # float64: the squares of large (loss-scaled) values stay finite
+        g = torch.where(finite, grad, 0.0).double()
+        signal = (g * g).sum()
+        noise = torch.where(finite, (g - rounded.double()).square(), 0.0).sum()
+        pairs = [("saturated", stats.saturated, torch.add), ("signal", signal, torch.add)]
+        pairs += [("noise", noise, torch.add)]
+        if stats.scale_min is not None:
+            pairs += [("scale_min", stats.scale_min.float(), torch.minimum)]
+            pairs += [("scale_max", stats.scale_max.float(), torch.maximum)]
+        for name, value, merge in pairs:
+            old = getattr(self, name)
+            setattr(self, name, value if old is None else merge(old, value))
+
 
 class _Round(torch.autograd.Function):
     """Store a value in the low-precision format: round forward, round the gradient backward.
 
     This is the emulated counterpart of autocast's casts: the forward rounding is the FP16 copy, and the
     backward rounding is the FP16 gradient of that copy. ``fmt=None`` rounds nothing (FP32 telemetry).
-    ``grad_fmt`` is the format gradients are stored in (the same as ``fmt`` except for FP8 gradients).
+    ``grad_fmt`` is the format gradients are stored in (the same as ``fmt`` except for FP8 gradients);
+    ``site`` the gradient quantizer's site when ``precision.grad_scaling`` scales them
+    (:func:`adaloss.numerics.quantizers.quantize_grad`).
     """
 
     @staticmethod
-    def forward(ctx, x, fmt, grad_fmt, probe):  # type: ignore[override]
+    def forward(ctx, x, fmt, grad_fmt, probe, site=None):  # type: ignore[override]
         ctx.grad_fmt = grad_fmt
         ctx.probe = probe
+        ctx.site = site
         return round_to_format(x, fmt) if fmt is not None else x.clone()
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         fmt, probe = ctx.grad_fmt, ctx.probe
         if fmt is not None:
-            rounded = round_to_format(grad, fmt)
-            if probe is not None:
-                probe.record(grad, rounded)
-            return rounded, None, None, None
+            return quantize_grad(grad, fmt, ctx.site, probe), None, None, None, None
         if probe is not None:
             probe.record(grad)
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
 class _RoundInplace(torch.autograd.Function):
     """In-place variant for results of in-place ops (``out += identity``)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, fmt: FloatFormat, grad_fmt: FloatFormat):  # type: ignore[override]
-        ctx.fmt = grad_fmt
+    def forward(  # type: ignore[override]
+        ctx, x: torch.Tensor, fmt: FloatFormat, grad_fmt: FloatFormat, site: GradSite | None = None
+    ):
+        ctx.fmt, ctx.site = grad_fmt, site
         round_to_format_(x, fmt)
         ctx.mark_dirty(x)
         return x
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        return round_to_format(grad, ctx.fmt), None, None
+        return quantize_grad(grad, ctx.fmt, ctx.site), None, None, None
 
 
 def round_value(
-    x: torch.Tensor, fmt: FloatFormat | None, probe: Probe | None = None, grad_fmt: FloatFormat | None = None
+    x: torch.Tensor,
+    fmt: FloatFormat | None,
+    probe: Probe | None = None,
+    grad_fmt: FloatFormat | None = None,
+    block_dim: int | None = None,
 ) -> torch.Tensor:
-    """Round ``x`` to ``fmt`` and, in backward, its gradient to ``grad_fmt`` (default ``fmt``).
+    """Round ``x`` to ``fmt`` and, in backward, store its gradient in ``grad_fmt`` (default ``fmt``) through
+    the active emulation's gradient quantizer, if any (``block_dim``: see :meth:`EmulatedAutocast.grad_site`).
 
     The result is marked low precision. Without autograd this is a plain rounding.
     """
     if x.requires_grad and torch.is_grad_enabled():
-        out = _Round.apply(x, fmt, grad_fmt if grad_fmt is not None else fmt, probe)
+        emu = active_emulation()
+        site = emu.grad_site(x, block_dim) if emu is not None and fmt is not None else None
+        out = _Round.apply(x, fmt, grad_fmt if grad_fmt is not None else fmt, probe, site)
     else:
         out = round_to_format(x, fmt) if fmt is not None else x
         if out is x:
@@ -389,15 +436,23 @@ class EmulatedAutocast(TorchFunctionMode):
             respect to each named GEMM layer's output is counted for underflow in the backward pass.
         grad_fmt (FloatFormat, optional): the format gradients are stored in, if not ``fmt`` (FP8 gradients
             with FP16 activations).
+        grad_quantizer (GradQuantizer, optional): scales every gradient the emulation stores in ``grad_fmt``
+            (``precision.grad_scaling``); None or the ``none`` recipe rounds them as they are.
     """
 
     def __init__(
-        self, fmt: FloatFormat | None, monitor: Any = None, grad_fmt: FloatFormat | None = None
+        self,
+        fmt: FloatFormat | None,
+        monitor: Any = None,
+        grad_fmt: FloatFormat | None = None,
+        grad_quantizer: GradQuantizer | None = None,
     ) -> None:
         super().__init__()
         self.fmt = fmt
         self.grad_fmt = grad_fmt if grad_fmt is not None else fmt
         self.monitor = monitor
+        self.grad_quantizer = grad_quantizer if grad_quantizer is not None and grad_quantizer.scales else None
+        self._sites = 0  # gradient sites made in this forward pass: the keys of delayed scaling's state
         self._kinds: dict[Any, str] = {}
 
     # -- context management: keep a stack so custom ops can find the active emulation -----------------
@@ -411,6 +466,18 @@ class EmulatedAutocast(TorchFunctionMode):
     def __exit__(self, *exc):
         _state.stack.pop()
         return super().__exit__(*exc)
+
+    def grad_site(self, value: torch.Tensor, block_dim: int | None = None) -> GradSite | None:
+        """The site where the gradient of ``value`` will be stored, or None without a quantizer. Sites are
+        numbered in forward order (with the layer's name), so a training step's n-th site is the same
+        tensor every step: delayed scaling keeps its history under that key. ``block_dim`` is the dimension
+        MX blocks run along; None: 1 (channels) for 4-D and 5-D values, else the last."""
+        if self.grad_quantizer is None:
+            return None
+        self._sites += 1
+        if block_dim is None:
+            block_dim = 1 if value.dim() in (4, 5) else -1
+        return GradSite(self.grad_quantizer, f"{self._sites}:{LAYER_NAMES.current or ''}", block_dim)
 
     def probe_for(self, name: str | None) -> Probe | None:
         if self.monitor is None or name is None:
@@ -459,7 +526,8 @@ class EmulatedAutocast(TorchFunctionMode):
             if isinstance(out, torch.Tensor) and out.is_floating_point():
                 if fmt is None and probe is None:
                     return out
-                return round_value(out, fmt, probe, self.grad_fmt)
+                conv = _op_name(func).startswith(("conv", "_conv"))  # blocks along channels, see grad_site
+                return round_value(out, fmt, probe, self.grad_fmt, block_dim=1 if conv else -1)
             return out
 
         if fmt is None:  # FP32 telemetry: only GEMM outputs are probed
@@ -491,7 +559,7 @@ class EmulatedAutocast(TorchFunctionMode):
         if kind.endswith("_inplace"):
             if isinstance(out, torch.Tensor) and out.is_floating_point():
                 if out.requires_grad and torch.is_grad_enabled():
-                    out = _RoundInplace.apply(out, fmt, self.grad_fmt)
+                    out = _RoundInplace.apply(out, fmt, self.grad_fmt, self.grad_site(out))
                 else:
                     round_to_format_(out, fmt)
                 return mark_low_precision(out)
