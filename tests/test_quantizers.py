@@ -397,9 +397,9 @@ def test_gpt_fp8_trains_and_logs_storage_telemetry(
         assert all(low[k] <= high[k] for k in low)
     last = lines[-1]
     scales = {last["grad_scale_min"][k] for k in GPT_LAYERS} | {last["grad_scale_max"][k] for k in GPT_LAYERS}
-    # scale 1 at the GEMM outputs without a recipe, and under the adaptive scaler, whose GEMM outputs are
-    # stored by its own node (adaptive/ops.py GradRound), which does not call quantize_grad yet
-    if grad_scaling == "none" or scaler == "adaptive":
+    # scale 1 at the GEMM outputs without a recipe; the recipe's scales otherwise, under the adaptive
+    # scaler too (its GradRound stores the GEMM outputs' gradients through quantize_grad)
+    if grad_scaling == "none":
         assert scales == {1.0}
     else:
         assert scales != {1.0}

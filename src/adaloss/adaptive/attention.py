@@ -466,7 +466,7 @@ def _scaled(
     fmt = emu.fmt if emu is not None and round_out else None
     y = ScaledProduct.apply(y, point, state, operands, fmt)
     if fmt is not None:
-        return GradRound.apply(y, emu.grad_fmt, emu.probe_for(probe))
+        return GradRound.apply(y, emu.grad_fmt, emu.probe_for(probe), emu.grad_site(y))
     return _probed(y, probe, state)
 
 

@@ -57,6 +57,7 @@ from adaloss.adaptive.rules import (
 )
 from adaloss.numerics.emulation import active_emulation, is_low_precision, mark_low_precision
 from adaloss.numerics.formats import round_to_format
+from adaloss.numerics.quantizers import quantize_grad
 
 __all__ = [
     "AdaptiveState",
@@ -635,7 +636,8 @@ def _to_root(
 
 
 class GradRound(torch.autograd.Function):
-    """Identity forward; backward rounds the gradient reaching a GEMM point's output to the gradient format.
+    """Identity forward; backward stores the gradient reaching a GEMM point's output in the gradient format
+    (:func:`adaloss.numerics.quantizers.quantize_grad`: plain rounding, or the FP8 recipe's quantizer).
 
     A separate autograd node rather than a step inside :class:`ScaledGEMM`'s backward, for memory: the
     engine frees the unrounded gradient as soon as this node returns, so the GEMM's own backward (whose
@@ -645,18 +647,16 @@ class GradRound(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, y, grad_fmt, probe):  # type: ignore[override]
-        ctx.grad_fmt, ctx.probe = grad_fmt, probe
+    def forward(ctx, y, grad_fmt, probe, site=None):  # type: ignore[override]
+        ctx.grad_fmt, ctx.probe, ctx.site = grad_fmt, probe, site
         with torch._C.DisableTorchFunction():
             return mark_low_precision(y.view_as(y))
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         with torch._C.DisableTorchFunction():
-            rounded = round_to_format(grad, ctx.grad_fmt)
-            if ctx.probe is not None:
-                ctx.probe.record(grad, rounded)
-        return rounded, None, None
+            rounded = quantize_grad(grad, ctx.grad_fmt, ctx.site, ctx.probe)
+        return rounded, None, None, None
 
     @staticmethod
     def wrap(y: torch.Tensor, point: GemmPoint) -> torch.Tensor:
@@ -664,7 +664,7 @@ class GradRound(torch.autograd.Function):
         emu = active_emulation()
         if emu is None or emu.grad_fmt is None or not torch.is_grad_enabled():
             return y
-        return GradRound.apply(y, emu.grad_fmt, emu.probe_for(point.name))
+        return GradRound.apply(y, emu.grad_fmt, emu.probe_for(point.name), emu.grad_site(y))
 
 
 def _alias(y: torch.Tensor) -> torch.Tensor:
