@@ -16,8 +16,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	@touch $(STAMP)
 
-setup: $(STAMP) ## create .venv (Python 3.11), install the pinned dependencies, build the native kernels
-	@$(PY) -m adaloss.numerics.fused
+setup: $(STAMP) ## create .venv (Python 3.11) and install the dependencies
 
 test: setup ## run the test suite on the CPU (under 10 minutes on 2 cores)
 	$(PY) -m pytest -q -m "not slow" tests

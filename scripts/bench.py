@@ -52,8 +52,7 @@ bandwidth with the neighbours, so it does not make a loaded machine an idle one.
 Allocator and kernels: ``main`` first applies :func:`adaloss.utils.allocator.tune_cpu_allocator` (as the
 trainer does on the CPU), so no configuration pays for glibc's malloc giving memory back to the kernel and
 faulting it in again every step; without it, which configuration took those faults (up to 1.4 million per
-step) depended on heap layout and moved ratios by several percent. The FP16 rounding uses the native kernel
-(:mod:`adaloss.numerics.native`) when it could be built; the JSON's settings record whether it was.
+step) depended on heap layout and moved ratios by several percent.
 
 Paired runs: ``--configs fp16_dynamic fp16_adaptive_u100`` measures only those configurations (and reports
 only the ratios between them), so a comparison of two configurations gets more rounds in the same time and
@@ -708,8 +707,7 @@ def render(
         "",
         C.header_line(info),
         "",
-        f"malloc tuned: {'yes' if settings.get('malloc_tuned') else 'no'}; native FP16 rounding kernel: "
-        f"{settings.get('native_kernels', 'unknown')}.",
+        f"malloc tuned: {'yes' if settings.get('malloc_tuned') else 'no'}.",
         "",
         "Each ratio is the median over interleaved rounds of the per-round ratio of mean step times, all "
         "configurations in one process (p25-p75 of the per-round ratios beside it; Resolved: no when the "
@@ -757,26 +755,6 @@ def render(
             notes.append(f"{res.model}: stopped after {len(res.rounds)} rounds by the time budget")
     if notes:
         lines += [""] + [f"- note: {n}" for n in notes]
-    kernels = settings.get("kernel_timings")
-    if kernels:
-        lines += [
-            "",
-            f"FP16 rounding of {KERNEL_NUMEL} float32 values, one thread, median microseconds over "
-            f"{KERNEL_REPEATS} calls (torch ops vs the native kernels of adaloss.numerics.native):",
-            "",
-            C.markdown_table(
-                ["Operation", "torch (us)", "native (us)", "torch / native"],
-                [
-                    [
-                        k["op"],
-                        f"{k['torch_us']:.0f}",
-                        f"{k['native_us']:.0f}",
-                        f"{k['torch_us'] / k['native_us']:.2f}x",
-                    ]
-                    for k in kernels
-                ],
-            ),
-        ]
     spread = [(res.model, replica_ratios(res)) for res in results]
     spread = [(m, sp) for m, sp in spread if sp]
     if spread:
@@ -824,42 +802,6 @@ def render_gpt(
         lines += ["", f"- note: stopped after {len(result.rounds)} rounds by the time budget"]
     lines += ["", f"Total measurement time {result.seconds:.0f}s."]
     return "\n".join(lines)
-
-
-KERNEL_NUMEL = 524_288  # one ResNet-20 first-stage activation at batch 32 (32 x 16 x 32 x 32)
-KERNEL_REPEATS = 200
-
-
-def kernel_timings() -> list[dict[str, Any]]:
-    """Torch ops against the native kernels for the emulation's two hot operations (about a second).
-
-    Empty when the kernels are not available. Both sides produce the same values (``tests/test_native.py``).
-    """
-    from adaloss.numerics import native
-
-    if not native.enabled():
-        return []
-    x = torch.randn(KERNEL_NUMEL, generator=torch.Generator().manual_seed(0)) * 1e-3
-
-    pairs = [("round to FP16", lambda: x.to(torch.float16).to(torch.float32), lambda: native.round_f16(x))]
-    out = []
-    for op, ref, fast in pairs:
-        times: dict[str, list[float]] = {"torch": [], "native": []}
-        for _ in range(10):
-            ref(), fast()
-        for _ in range(KERNEL_REPEATS):  # alternate, so a load change hits both
-            for name, fn in (("torch", ref), ("native", fast)):
-                t0 = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - t0)
-        out.append(
-            {
-                "op": op,
-                "torch_us": C.median(times["torch"]) * 1e6,
-                "native_us": C.median(times["native"]) * 1e6,
-            }
-        )
-    return out
 
 
 # ------------------------------------------------------------------- dispatched ops per step (GPU-cost proxy)
@@ -1195,12 +1137,6 @@ def render_op_counts(info: dict[str, Any], op: dict[str, Any], top: int = 16) ->
 # ------------------------------------------------------------------------------------------------ main
 
 
-def _native_status() -> str:
-    from adaloss.numerics import native
-
-    return native.status()
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
@@ -1366,8 +1302,6 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         "replicas": args.replicas,
         "clock": args.clock,
         "malloc_tuned": args.malloc_tuned,
-        "native_kernels": _native_status(),
-        "kernel_timings": kernel_timings(),
         "lr": LR,
         "momentum": MOMENTUM,
         "configs": [

@@ -14,7 +14,6 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
 import pytest
 import torch
@@ -120,83 +119,3 @@ def make_full_cfg(tmp_path: Path, single_thread: None) -> Callable[..., DictConf
 def cfg_tiny(make_cfg: Callable[..., DictConfig]) -> DictConfig:
     """The default configuration (ResNet-20, FP16, no scaling) shrunk to a 2-iteration CPU run."""
     return make_cfg()
-
-
-# --------------------------------------------------------------------- were the native paths tested?
-
-#: The native FP16 rounding kernel (``numerics/_fast.c``) is built on first use; without a C compiler, on a
-#: CPU without F16C, or with ``ADALOSS_NATIVE=0``, its tests (``tests/test_native.py``) skip with a reason
-#: starting with this prefix.
-NATIVE_PATHS = {"native FP16 kernels": "native kernels:"}
-NATIVE_MODULES = {"native FP16 kernels": "test_native.py"}
-
-#: ``ADALOSS_REQUIRE_NATIVE=1`` (which ``.ci/run`` sets), or a set ``CI`` variable (as CI services set it),
-#: turns those skips into errors: on a CI machine the native paths are expected, and a green run that never
-#: tested them would hide that. ``ADALOSS_REQUIRE_NATIVE=0`` allows the skips even under ``CI``.
-REQUIRE_NATIVE_ENV = "ADALOSS_REQUIRE_NATIVE"
-
-_native_counts: dict[str, dict[str, Any]] = {name: {"passed": 0, "skipped": {}} for name in NATIVE_PATHS}
-
-
-def native_required() -> bool:
-    """Whether a skipped native path fails the run (see ``REQUIRE_NATIVE_ENV``)."""
-    off = ("", "0", "false", "no", "off")
-    flag = os.environ.get(REQUIRE_NATIVE_ENV)
-    if flag is not None and flag.strip() != "":
-        return flag.strip().lower() not in off
-    return os.environ.get("CI", "").strip().lower() not in off
-
-
-def _skip_reason(report: pytest.TestReport) -> str:
-    longrepr = report.longrepr
-    reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
-    return reason.removeprefix("Skipped: ")
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
-    outcome = yield
-    report = outcome.get_result()
-    if report.skipped:
-        reason = _skip_reason(report)
-        for name, prefix in NATIVE_PATHS.items():
-            if reason.startswith(prefix):
-                skipped = _native_counts[name]["skipped"]
-                skipped[reason] = skipped.get(reason, 0) + 1
-                if native_required():
-                    report.outcome = "failed"
-                    report.longrepr = (
-                        f"the {name} are required ({REQUIRE_NATIVE_ENV}=1 or CI is set) but unavailable: "
-                        f"{reason.removeprefix(prefix).strip()}; make them available (a C compiler, an "
-                        "x86-64 CPU with F16C, ADALOSS_NATIVE unset) or set "
-                        f"{REQUIRE_NATIVE_ENV}=0 to let these tests skip"
-                    )
-    elif report.when == "call" and report.passed:
-        for name, module in NATIVE_MODULES.items():
-            if item.path.name == module:
-                _native_counts[name]["passed"] += 1
-
-
-def _tests(n: int) -> str:
-    return f"{n} test" if n == 1 else f"{n} tests"
-
-
-def native_summary() -> str | None:
-    """One line: for each native path, tested (how many of its module's tests passed) or skipped (why)."""
-    parts = []
-    for name, counts in _native_counts.items():
-        if counts["skipped"]:
-            reasons = "; ".join(r.removeprefix(NATIVE_PATHS[name]).strip() for r in counts["skipped"])
-            verdict = "required but missing" if native_required() else "NOT TESTED"
-            parts.append(f"{name} {verdict}: {_tests(sum(counts['skipped'].values()))} skipped ({reasons})")
-        elif counts["passed"]:
-            parts.append(f"{name} tested ({_tests(counts['passed'])} of {NATIVE_MODULES[name]} passed)")
-    return "native paths: " + " | ".join(parts) if parts else None
-
-
-def pytest_unconfigure(config: pytest.Config) -> None:
-    """The native paths' line, last: after pytest's own summary line."""
-    line = native_summary()
-    reporter = config.pluginmanager.get_plugin("terminalreporter")
-    if line is not None and reporter is not None:
-        reporter.write_line(line)

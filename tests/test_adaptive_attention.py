@@ -567,41 +567,6 @@ def test_no_host_sync_in_the_gpt_backward_pass(backend, dtype_name):
     assert scaler.state.unscales, "the tied embedding's use is unscaled by its own point"
 
 
-def _emulated_gpt_run() -> tuple[list[dict[str, float]], list[torch.Tensor]]:
-    """Four steps of the GPT in emulated FP16 (update_every=2): each step's betas, the final weights."""
-    torch.manual_seed(0)
-    precision = Precision("fp16", "cpu")
-    scaler = AdaptiveLossScaler(update_every=2, fmt=precision.grad_format)
-    model = precision.prepare(scaler.attach(TinyGPT()))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    g = torch.Generator().manual_seed(1)
-    betas = []
-    for _ in range(4):
-        x, y = _tokens(g, torch.float32)
-        with precision.autocast():
-            loss = _loss(model(x), y) * 2.0**-8
-        scaler.scale(loss).backward()
-        betas.append(scaler.layer_betas())
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad(set_to_none=True)
-    return betas, [p.detach().clone() for p in model.parameters()]
-
-
-def test_the_native_rounding_kernel_trains_the_gpt_as_torch_casts_do():
-    """The native FP16 rounding kernel is a primitive only: with it and with torch's casts the GPT gets the
-    same betas, product points and the tied embedding included, and trains the same weights bit for
-    bit."""
-    from adaloss.numerics import native
-
-    fast_betas, fast_weights = _emulated_gpt_run()
-    with native.disabled():
-        torch_betas, torch_weights = _emulated_gpt_run()
-    assert fast_betas == torch_betas
-    assert any(b > 1 for step in fast_betas for b in step.values())
-    assert all(torch.equal(a, b) for a, b in zip(fast_weights, torch_weights, strict=True))
-
-
 # ----------------------------------------------------------------------------------------------- semantics
 
 

@@ -235,9 +235,7 @@ def test_a_telemetry_step_reads_the_scales_with_one_host_sync(monkeypatch):
     """The trainer reads, on a telemetry step, the loss scale (per-layer alphas) and the betas, for W&B and
     for telemetry.jsonl: one host sync for all of them on a recompute step, none on a reuse step."""
     precision = Precision("fp16", "cpu")
-    scaler = build_scaler(
-        OmegaConf.create({"name": "adaptive", "update_every": 2}), None
-    )
+    scaler = build_scaler(OmegaConf.create({"name": "adaptive", "update_every": 2}), None)
     model = precision.prepare(scaler.attach(_resnet20()))
     reads = []
     real_tolist = torch.Tensor.tolist

@@ -8,6 +8,7 @@ host-sync line every hot-path method's docstring carries.
 from __future__ import annotations
 
 import inspect
+import math
 import subprocess
 import sys
 import warnings
@@ -536,24 +537,28 @@ def test_copies_work_and_are_independent(kind: str, how: str) -> None:
     assert clone.state_dict() == original.state_dict()  # and the two follow the same rule
 
 
-def test_the_adaptive_scaler_drives_fused_optimizers_unfused() -> None:
-    """Per-layer scales are not one number a kernel could divide by: the adaptive scaler unscales the grads
-    itself and steps the optimizer as any other (no grad_scale, no found_inf handed over)."""
+def test_the_adaptive_scaler_drives_fused_optimizers_as_grad_scaler_does() -> None:
+    """Every parameter gradient leaves the adaptive scaler's backward pass at ``get_scale()``, one number a
+    kernel can divide by: a fused Adam gets ``grad_scale`` and ``found_inf`` and unscales inside its kernel,
+    and trains as an unfused Adam does after ``unscale_``, overflowing steps skipped alike."""
 
-    class Recording(torch.optim.SGD):
-        _step_supports_amp_scaling = True
+    class Recording(torch.optim.Adam):
+        seen = False
 
         def step(self, closure=None):
-            self.seen = hasattr(self, "grad_scale") or hasattr(self, "found_inf")
-            return super().step()
+            self.seen = self.seen or getattr(self, "grad_scale", None) is not None
+            return super().step(closure)
 
-    scaler = AdaptiveLossScaler()
-    model, _ = _tiny(scaler)
-    optimizer = Recording(model.parameters(), lr=0.1)
-    reference = AdaptiveLossScaler()
-    reference_model, reference_opt = _tiny(reference)  # plain SGD: no fused protocol
-    for ours, m, opt in ((scaler, model, optimizer), (reference, reference_model, reference_opt)):
-        _iteration(ours, m, opt)
-    assert optimizer.seen is False
-    for a, b in zip(model.parameters(), reference_model.parameters(), strict=True):
-        assert torch.equal(a, b)
+    runs = []
+    for fused in (True, False):
+        scaler = AdaptiveLossScaler(init_scale=2.0**10)
+        torch.manual_seed(0)
+        model = scaler.attach(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))
+        optimizer = Recording(model.parameters(), lr=0.01, fused=fused)
+        for factor in (1.0, 1.0, math.inf, 1.0):
+            _iteration(scaler, model, optimizer, factor)
+        assert scaler.skipped_steps == 1
+        runs.append([p.detach().clone() for p in model.parameters()])
+        assert optimizer.seen is fused  # the fused kernel was handed the scale
+    for a, b in zip(*runs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

@@ -89,15 +89,8 @@ def test_bench_quick_writes_every_ratio(bench, tmp_path: Path, capsys, one_threa
     assert ("fp16_adaptive_u100", "recompute") in kinds and ("fp16_adaptive_u100", "reuse") in kinds
     assert ("fp16_none", "telemetry") in kinds
     assert {k for c, k in kinds if c == "fp16_adaptive_u1"} == {"recompute"}
-    from adaloss.numerics import fused, native
-
     settings = payload["settings"]
-    assert settings["malloc_tuned"] in (True, False) and settings["native_kernels"] == native.status()
-    assert settings["fused_nodes"] == fused.status()
-    if native.enabled():  # the kernel table: both operations timed, both sides positive
-        ops = [k["op"] for k in settings["kernel_timings"]]
-        assert ops == ["round to FP16", "round to FP16 + norm, min, max"]
-        assert all(k["torch_us"] > 0 and k["native_us"] > 0 for k in settings["kernel_timings"])
+    assert settings["malloc_tuned"] in (True, False)
     printed = capsys.readouterr().out
     assert "Machine:" in printed and "torch" in printed and "cpu clock" in printed
     assert "| emulated FP16 / FP32 (scaler none)" in printed

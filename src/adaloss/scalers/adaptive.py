@@ -35,8 +35,13 @@ class AdaptiveLossScaler(LossScaler):
       alpha through. ``rule`` chooses how beta is computed: ``"reference"`` (default), what the authors'
       released code computes, which produced the paper's tables, or ``"paper"``, the text as written
       (:mod:`adaloss.adaptive.rules` lists the differences).
-    * Every weight gradient is divided by its own layer's alpha, so the optimizer sees true gradients; a step
-      with an Inf/NaN gradient is skipped, counted, and the scales are recomputed on the next step.
+    * Every parameter gradient leaves the backward pass carrying the root scale ``alpha_{N+1}``
+      (``get_scale()``), as under GradScaler: each GEMM's weight gradient, and each other use of a
+      parameter (a batch norm's, a tied embedding's), is multiplied by ``alpha_{N+1} / alpha`` of its own
+      layer, a power of two, so exactly. ``unscale_`` then divides every gradient by ``get_scale()``, and
+      GradScaler's recipes (clipping, gradient penalties, accumulation, fused optimizers) behave as they
+      do under GradScaler. A step with an Inf/NaN gradient is skipped, counted, and the scales are
+      recomputed on the next step.
     * The same training loop as ``torch.amp.GradScaler``; no hyperparameter to tune per model.
 
     Example::
@@ -60,18 +65,20 @@ class AdaptiveLossScaler(LossScaler):
     ``alpha_{N+1}`` is halved; after ``growth_interval`` clean steps it doubles back, never above
     ``init_scale``. After each recompute step (with ``update_every > 1``) the betas, branch factors and
     branch alphas are copied to the host in one sync, and the steps in between run on those floats (see
-    :mod:`adaloss.adaptive.ops` for where the remaining time goes). Under gradient accumulation every
+    :mod:`adaloss.adaptive.ops`). The same code runs on every device: on the CPU, in the emulation, the
+    code a GPU runs. Under gradient accumulation every
     ``scale()`` of one iteration uses the betas of its first backward pass. Layers and branch points that no
     gradient reaches (frozen layers while fine-tuning, a model input used by two layers) get no scales, and
     the steps in between go without them; the attached model notes at each forward pass which parameters
     and inputs require gradients, and a change there (unfreezing a stage) makes that step a recompute step.
 
-    Where gradients are unscaled: GEMM weight and bias gradients during the backward pass, per call of the
-    layer (so a layer used twice gets each contribution unscaled by its own alpha; so does another use of a
-    GEMM's weight, such as a tied token embedding); gradients of other
-    parameters (batch-norm affine weights, ...) in ``unscale_``, by the alpha of their op's output gradient.
-    Parameters outside the attached model are assumed to get their gradient through the loss and are
-    unscaled by ``alpha_{N+1}``.
+    Copies: ``copy.deepcopy`` and ``pickle`` give an independent scaler with the same state (see
+    ``__getstate__``); attach it to a model with the same layers. Differences from GradScaler, deliberate:
+    one scaler per model (``attach`` rewrites that model); without a model attached the scaler scales the
+    loss by ``alpha_{N+1}`` alone. After a backward pass that built a graph (``create_graph=True``, the
+    gradient-penalty recipe), the next backward pass of the same iteration applies ``alpha_{N+1}``
+    everywhere (every beta 1): the penalty's gradients reach the activations at the root scale, where the
+    layers' alphas would not match them.
 
     Distributed data parallel (``torch.distributed`` initialized, world size > 1): call ``attach`` on every
     rank after ``init_process_group`` and wrap the *returned* module in DDP
@@ -87,11 +94,9 @@ class AdaptiveLossScaler(LossScaler):
       scaler's (see ``LossScaler.unscale_``), so all ranks skip the same steps and change ``alpha_{N+1}``
       alike.
     * DDP's gradient all-reduce fires when a parameter's gradient has been accumulated, i.e. on what this
-      scaler's backward pass produced. For conv/linear parameters that is already the true gradient
-      (divided by the layer's alpha inside the backward pass), so DDP averages true gradients. Other
-      parameters' gradients (batch-norm affine, ...) reach DDP still multiplied by their op's alpha and are
-      divided in ``unscale_`` after DDP has averaged them; that is exact because that alpha is the same
-      power of two on every rank. Either way the optimizer sees the averaged true gradient.
+      scaler's backward pass produced: every parameter's gradient at the root scale, the same power of two
+      on every rank, so DDP averages scaled gradients exactly as under GradScaler and ``unscale_``
+      divides the average afterwards.
     * Relation to one process on the combined batch: each rank backpropagates the mean loss over its own
       ``1/W`` of the batch, so its gradients are ``W`` times the single process's. The combined statistics
       are therefore exactly those of a single process run with ``init_scale * W``, and each rank's alphas
