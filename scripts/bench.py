@@ -1004,16 +1004,18 @@ def count_step_ops(name: str, batch: int, seed: int = 0) -> dict[str, Any]:
 
 
 def _same_ops_but_betas(a: dict, b: dict) -> bool:
-    """Whether two counts of one step kind dispatch the same ops, op for op, up to the one multiply a
-    reuse step spends on each beta that is not 1 (``delta * beta``; a beta of 1 is skipped on the host's
-    cached copy). Which betas are 1 depends on the data, so two batch sizes may differ there and only there.
+    """Whether two counts of one step kind dispatch the same ops, op for op, up to the multiplies a reuse
+    step spends on scales that are not 1: ``delta * beta`` at each beta that is not 1, and ``alpha_{N+1} /
+    alpha`` on every parameter gradient below such a layer (a factor of 1 is skipped on the host's cached
+    copy). Which betas are 1 depends on the data, so two batch sizes may differ there and only there.
     """
     if a["by_op"] == b["by_op"]:
         return True
-    extra = a.get("betas_not_1", 0) - b.get("betas_not_1", 0)
+    if a.get("betas_not_1", 0) == b.get("betas_not_1", 0):
+        return False
     ops = set(a["by_op"]) | set(b["by_op"])
-    diff = {op: a["by_op"].get(op, 0) - b["by_op"].get(op, 0) for op in ops}
-    return extra != 0 and {op: d for op, d in diff.items() if d} == {"mul": extra}
+    diff = {op for op in ops if a["by_op"].get(op, 0) != b["by_op"].get(op, 0)}
+    return diff <= {"mul", "mul_"}
 
 
 def measure_op_counts(models: Sequence[str], batch: int, seed: int, log: Callable[[str], None]) -> dict:

@@ -33,13 +33,13 @@ BENCH_RATIOS = (
     "fp8_delayed_over_global",
     "fp8_mx_over_global",
 )
-TARGETS = {
-    "fp16_over_fp32": 1.15,
+TARGETS = {  # issue 22's speed goals, and the earlier ones it kept
+    "fp16_over_fp32": 1.20,
     "fixed_over_none": 1.02,
     "dynamic_over_none": 1.02,
     "telemetry100_over_none": 1.01,
-    "adaptive_u1_over_dynamic": 1.05,
-    "adaptive_u100_over_dynamic": 1.005,
+    "adaptive_u1_over_dynamic": 1.10,
+    "adaptive_u100_over_dynamic": 1.02,
 }
 
 
@@ -132,6 +132,7 @@ def test_bench_paired_configs_report_only_their_ratios(bench, tmp_path: Path, ca
 #: The tiny GPT's ratios (issue 18's goal: adaptive at update_every=100 at most 1.05x a dynamic step).
 GPT_RATIOS = (
     "adaptive_u100_over_dynamic",
+    "adaptive_u1_over_dynamic",
     "adaptive_u100_noprod_over_dynamic",
     "aa_control",
     "adaptive_recompute_over_dynamic",
@@ -157,7 +158,9 @@ def test_bench_times_the_tiny_gpt(bench, tmp_path: Path, capsys, one_thread, mod
         entry = gpt["ratios"][f"{key}/gpt"]
         assert math.isfinite(entry["median"]) and entry["median"] > 0, (key, entry)
     goal = gpt["ratios"]["adaptive_u100_over_dynamic/gpt"]
-    assert goal["target"] == 1.05 and goal["pass"] == (goal["median"] <= 1.05)
+    assert goal["target"] == 1.02 and goal["pass"] == (goal["median"] <= 1.02)
+    u1 = gpt["ratios"]["adaptive_u1_over_dynamic/gpt"]
+    assert u1["target"] == 1.25 and u1["pass"] == (u1["median"] <= 1.25)
     kinds = set().union(*({(c, k) for k in kinds} for c, kinds in gpt["step_times"][0].items()))
     for config in ("fp16_adaptive_u100", "fp16_adaptive_u100_noprod"):
         assert {(config, "recompute"), (config, "reuse")} <= kinds
@@ -166,10 +169,10 @@ def test_bench_times_the_tiny_gpt(bench, tmp_path: Path, capsys, one_thread, mod
     assert "### Tiny GPT step-time ratios (model=gpt, batch 2 x 64 tokens" in printed
     rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in printed.splitlines()]
     row = next(r for r in rows if r[:2] == [goal["label"], "GPT (tiny)"])
-    assert row[2] == f"{goal['median']:.3f}x" and row[4] == "<= 1.05x"
+    assert row[2] == f"{goal['median']:.3f}x" and row[4] == "<= 1.02x"
     assert row[5] == ("PASS" if goal["pass"] else "over target")
     if mode == "on":
-        assert payload["ratios"]["adaptive_u100_over_dynamic/resnet20"]["target"] == 1.005
+        assert payload["ratios"]["adaptive_u100_over_dynamic/resnet20"]["target"] == 1.02
         assert payload["table_markdown"].index("### Step-time ratios") < payload["table_markdown"].index(
             "### Tiny GPT"
         )
@@ -335,6 +338,8 @@ def test_bench_batch_check_allows_only_the_multiplies_of_betas_that_differ(bench
     a = {"by_op": {"mul": 3, "add": 2}, "betas_not_1": 1}
     assert same(a, {"by_op": {"mul": 3, "add": 2}, "betas_not_1": 1})
     assert same(a, {"by_op": {"mul": 2, "add": 2}, "betas_not_1": 0})  # one beta fewer, one mul fewer
+    # a beta that is not 1 also makes the parameter gradients below it carry factors alpha_{N+1} / alpha
+    assert same(a, {"by_op": {"mul": 1, "mul_": 4, "add": 2}, "betas_not_1": 0})
     assert not same(a, {"by_op": {"mul": 2, "add": 2}, "betas_not_1": 1})  # a mul with no beta to explain it
     assert not same(a, {"by_op": {"mul": 2, "add": 1}, "betas_not_1": 0})  # another op differs too
     assert not same({"by_op": {"add": 2}}, {"by_op": {"add": 3}})  # no betas at all (dynamic)

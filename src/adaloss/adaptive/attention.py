@@ -148,6 +148,44 @@ def _mha_forward(
     """``nn.MultiheadAttention.forward`` as ``F.multi_head_attention_forward`` computes it in training, with
     the projections visible to the transform (module docstring)."""
     path = tracer.path_of_module(m)
+    _check_mha_call(m, path, need_weights, average_attn_weights, is_causal)
+    torch._assert(
+        query.dim() == 3,
+        f"adaptive loss scaling: nn.MultiheadAttention '{path}' takes batched (3-D) inputs only",
+    )
+    self_attention = query is key and key is value
+    shared_kv = key is value
+    if m.batch_first:  # to (sequence, batch, features), keeping the identities the projections rely on
+        if self_attention:
+            query = key = value = query.transpose(1, 0)
+        elif shared_kv:
+            query, key = query.transpose(1, 0), key.transpose(1, 0)
+            value = key
+        else:
+            query, key, value = (t.transpose(1, 0) for t in (query, key, value))
+    layout, projections = _mha_projections(m, query, key, value, self_attention, shared_kv)
+    tracer.cores.append(
+        {
+            "module": m,
+            "path": path,
+            "layout": layout,
+            "need_weights": need_weights,
+            "average_attn_weights": average_attn_weights,
+            "is_causal": is_causal,
+        }
+    )
+    core = mha_core(len(tracer.cores) - 1, *projections, attn_mask, key_padding_mask)
+    out = m.out_proj(core[0])  # (tgt_len * bsz, E), as F.multi_head_attention_forward calls it
+    out = out.view(query.size(0), query.size(1), out.size(1))
+    if m.batch_first:
+        out = out.transpose(1, 0)
+    return out, (core[1] if need_weights else None)
+
+
+def _check_mha_call(
+    m: nn.MultiheadAttention, path: str, need_weights: Any, average_attn_weights: Any, is_causal: Any
+) -> None:
+    """The options of an ``nn.MultiheadAttention`` call the rewrite supports, or one clear error."""
     for flag, what in ((m.bias_k is not None, "add_bias_kv=True"), (m.add_zero_attn, "add_zero_attn=True")):
         if flag:
             raise AttentionTransformError(
@@ -165,61 +203,33 @@ def _mha_forward(
             f"nn.MultiheadAttention '{path}' gets is_causal computed in the forward pass; the adaptive "
             "scaler needs a Python bool or None there"
         )
-    torch._assert(
-        query.dim() == 3,
-        f"adaptive loss scaling: nn.MultiheadAttention '{path}' takes batched (3-D) inputs only",
-    )
-    self_attention = query is key and key is value
-    shared_kv = key is value
-    if m.batch_first:  # to (sequence, batch, features), keeping the identities the projections rely on
-        if self_attention:
-            query = key = value = query.transpose(1, 0)
-        elif shared_kv:
-            query, key = query.transpose(1, 0), key.transpose(1, 0)
-            value = key
-        else:
-            query, key, value = (t.transpose(1, 0) for t in (query, key, value))
+
+
+def _mha_projections(
+    m: nn.MultiheadAttention, query: Any, key: Any, value: Any, self_attention: bool, shared_kv: bool
+) -> tuple[str, tuple[Any, ...]]:
+    """The layout of the input projections (``packed``, ``kv`` or ``separate``) and their ``F.linear``
+    calls, with the packed weight sliced as ``F.multi_head_attention_forward`` slices it."""
     e = m.embed_dim
     b = m.in_proj_bias
-    if m._qkv_same_embed_dim:
-        w = m.in_proj_weight
-        if self_attention:
-            layout, projections = "packed", (F.linear(query, w, b),)
-        elif shared_kv:  # F.multi_head_attention_forward splits the packed weight as [E, 2E]
-            layout = "kv"
-            projections = (
-                F.linear(query, w[:e], None if b is None else b[:e]),
-                F.linear(key, w[e:], None if b is None else b[e:]),
-            )
-        else:
-            layout = "separate"
-            projections = tuple(
-                F.linear(t, w[i * e : (i + 1) * e], None if b is None else b[i * e : (i + 1) * e])
-                for i, t in enumerate((query, key, value))
-            )
-    else:
-        layout = "separate"
+    if not m._qkv_same_embed_dim:
         biases = (None, None, None) if b is None else (b[:e], b[e : 2 * e], b[2 * e :])
         weights = (m.q_proj_weight, m.k_proj_weight, m.v_proj_weight)
-        projections = tuple(
+        return "separate", tuple(
             F.linear(t, w, bb) for t, w, bb in zip((query, key, value), weights, biases, strict=True)
         )
-    tracer.cores.append(
-        {
-            "module": m,
-            "path": path,
-            "layout": layout,
-            "need_weights": need_weights,
-            "average_attn_weights": average_attn_weights,
-            "is_causal": is_causal,
-        }
+    w = m.in_proj_weight
+    if self_attention:
+        return "packed", (F.linear(query, w, b),)
+    if shared_kv:  # F.multi_head_attention_forward splits the packed weight as [E, 2E]
+        return "kv", (
+            F.linear(query, w[:e], None if b is None else b[:e]),
+            F.linear(key, w[e:], None if b is None else b[e:]),
+        )
+    return "separate", tuple(
+        F.linear(t, w[i * e : (i + 1) * e], None if b is None else b[i * e : (i + 1) * e])
+        for i, t in enumerate((query, key, value))
     )
-    core = mha_core(len(tracer.cores) - 1, *projections, attn_mask, key_padding_mask)
-    out = m.out_proj(core[0])  # (tgt_len * bsz, E), as F.multi_head_attention_forward calls it
-    out = out.view(query.size(0), query.size(1), out.size(1))
-    if m.batch_first:
-        out = out.transpose(1, 0)
-    return out, (core[1] if need_weights else None)
 
 
 def _encoder_layer_forward(
