@@ -17,6 +17,7 @@ checks and reads it.
   from the file.
 * **Resume**: ``resume=auto`` continues from the newest *valid* checkpoint in the run folder (a truncated or
   corrupt one is skipped with a warning naming the file and the reason), or starts fresh if there is none;
+  on a run that finished (its ``done`` marker exists, :mod:`adaloss.engine.run_folder`) it changes nothing;
   ``resume=<file>`` continues from that file (a ``ConfigError`` if it is missing, a directory, unreadable
   or holds a model of other layer shapes);
   ``resume=null`` starts fresh. Resuming with a different model, dataset, scaler, precision, batch size,
@@ -55,7 +56,9 @@ __all__ = [
     "check_config_key",
     "check_model_shapes",
     "config_key",
+    "key_differences",
     "load_checkpoint",
+    "model_differences",
     "object_state",
     "plain",
     "restore_object_state",
@@ -137,20 +140,23 @@ def _weights_only_reason(error: BaseException) -> str:
     return (after.splitlines()[0] if after else _first_sentence(error))[:200]
 
 
-def config_key(cfg: DictConfig, steps: int) -> dict[str, Any]:
-    """The config fields a checkpoint must be resumed with (``steps``: the iterations of the run).
+def config_key(cfg: DictConfig, steps: int | None) -> dict[str, Any]:
+    """The config fields a checkpoint must be resumed with (``steps``: the iterations of the run; None
+    leaves that field out, for a comparison made before the data fixes the run length).
 
     Everything else (learning rate, scaler hyperparameters, logging cadence, ...) may change on resume.
     """
-    return {
+    key = {
         "model": str(cfg.model.name),
         "dataset": str(cfg.dataset.name),
         "scaler": str(cfg.scaler.name),
         "precision": str(cfg.precision.name),
         "batch_size": int(cfg.trainer.batch_size),
         "seed": int(cfg.seed),
-        "steps": int(steps),
     }
+    if steps is not None:
+        key["steps"] = int(steps)
+    return key
 
 
 # Config keys behind each config_key field, for the error message's fix.
@@ -163,6 +169,18 @@ _KEY_SETTINGS = {
     "seed": "seed",
     "steps": "trainer.max_steps",
 }
+
+
+def key_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    """The saved run's :func:`config_key` fields that differ from ``current``'s, as overrides
+    (``seed=0``); only the fields both hold are compared."""
+    return [f"{_KEY_SETTINGS[k]}={saved[k]}" for k in current if k in saved and saved[k] != current[k]]
+
+
+def model_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    """The saved run's ``model`` settings that differ from ``current``'s, as overrides
+    (``model.hidden=[256,256]``); only the settings both hold are compared."""
+    return [f"model.{k}={_value(saved[k])}" for k in sorted(saved) if k in current and saved[k] != current[k]]
 
 
 def check_config_key(
@@ -195,10 +213,7 @@ def check_model_shapes(state: Mapping[str, Any], model: Any, path: Path, config:
     what = [f"{k}: {list(saved[k].shape)} in the checkpoint, {list(ours[k].shape)} here" for k in differ[:2]]
     what += [f"{k} only in this model" for k in missing[:1]]
     what += [f"{k} only in the checkpoint" for k in extra[:1]]
-    theirs = (state.get("config") or {}).get("model") or {}
-    here = config.get("model") or {}
-    differ_in = [k for k in sorted(theirs) if k in here and theirs[k] != here[k]]
-    settings = [f"model.{k}={_value(theirs[k])}" for k in differ_in]
+    settings = model_differences((state.get("config") or {}).get("model") or {}, config.get("model") or {})
     fix = f"resume with {' '.join(settings)}" if settings else "resume with the model it was made with"
     raise ConfigError(
         f"checkpoint {path} holds a model of other layer shapes ({'; '.join(what)}): {fix}, or start a "

@@ -69,7 +69,15 @@ from adaloss.engine.checkpoint import (
 )
 from adaloss.engine.faults import DivergenceGuard, GradientFaults, SkippedStepReport, TrainingDiverged
 from adaloss.engine.optim import build_optimizer, build_schedule
-from adaloss.engine.run_folder import RunFolder, RunFolderError, resume_command, writing
+from adaloss.engine.run_folder import (
+    DONE_FILE,
+    RunFolder,
+    RunFolderError,
+    RunLock,
+    finished_run,
+    resume_command,
+    writing,
+)
 from adaloss.engine.signals import RunInterrupted, StopRequests
 from adaloss.engine.tasks import Evaluation, build_task
 from adaloss.errors import ConfigError
@@ -104,10 +112,11 @@ def train(cfg: DictConfig, callbacks: Sequence[StepCallback] = ()) -> dict[str, 
     ``cfg`` is the composed ``configs/train.yaml`` (from ``@hydra.main`` or ``hydra.compose``; a composed
     config must set ``paths.output_dir``). The run folder receives the W&B files, ``telemetry.jsonl`` (one
     line per telemetry step), ``checkpoints/step_<N>.pt`` every ``trainer.checkpoint_every`` iterations,
-    ``model.pt`` (the final weights) with ``trainer.save_final`` and, last and atomically, ``metrics.json``:
-    a run that raises leaves no ``metrics.json`` (and keeps its checkpoints). ``resume=auto`` or
-    ``resume=<file>`` continues from a checkpoint (:mod:`adaloss.engine.checkpoint`). ``callbacks`` are
-    called after every iteration (see :data:`StepCallback`).
+    ``model.pt`` (the final weights) with ``trainer.save_final``, then ``metrics.json`` (atomically) and,
+    last, the ``done`` marker: a run that raises leaves no ``done`` (and keeps its checkpoints).
+    ``resume=auto`` or ``resume=<file>`` continues from a checkpoint (:mod:`adaloss.engine.checkpoint`);
+    ``resume=auto`` on a finished run (``done`` exists) prints one line, returns its recorded metrics and
+    changes nothing. ``callbacks`` are called after every iteration (see :data:`StepCallback`).
 
     Returns a dict with the task's test metric (classification: ``test_accuracy`` and
     ``best_test_accuracy``, top-1 %; detection: ``map`` and ``best_map``, VOC07 mAP %, and
@@ -172,6 +181,9 @@ def train(cfg: DictConfig, callbacks: Sequence[StepCallback] = ()) -> dict[str, 
         if ranks.distributed:
             # the folder rank 0's Hydra chose (an unset hydra.run.dir holds a timestamp, which may differ)
             run_dir = Path(ranks.broadcast(str(run_dir)))
+        finished = _finished_run(cfg, run_dir, config, ranks)  # resume=auto on a finished run: nothing to do
+        if finished is not None:
+            return finished
         folder = RunFolder(run_dir, enabled=ranks.main)
         _on_rank0(ranks, folder.lock)  # first: a refused start must not write or log anything
         with run_name_on_log_lines(_sweep_tag(cfg)):
@@ -268,6 +280,7 @@ def _train(
     _on_rank0(ranks, lambda: folder.check(cfg.get("resume"), key, resumed))
     if resumed is not None:
         check_model_shapes(resumed.state, module, resumed.path, config)  # e.g. another model.hidden
+    _on_rank0(ranks, lambda: _refuse_finished(cfg, run_dir, key, config) if ranks.main else None)
     batches = BatchStream(train_loader)  # the training batches, epoch after epoch, from a resumable position
     window = task.new_window()
     progress = _Progress(best_value=task.initial_best)
@@ -487,6 +500,7 @@ def _train(
         logger.finish()  # W&B files are complete before metrics.json marks the run finished
         with writing("metrics", run_dir / "metrics.json"):
             write_json_atomic(run_dir / "metrics.json", metrics)
+        folder.mark_done()  # last: only now is the run finished (a crash before this leaves it unfinished)
     except RunFolderError as error:
         raise RunFolderError(f"{error}; {_what_is_left(done, steps, checkpoints, run_dir)}") from error
     if diverged:
@@ -654,6 +668,47 @@ def _on_rank0(ranks: _Ranks, check: Callable[[], None]) -> None:
             failure = ConfigError(message)
     if failure is not None:
         raise failure
+
+
+def _finished_run(
+    cfg: DictConfig, run_dir: Path, config: dict[str, Any], ranks: _Ranks
+) -> dict[str, Any] | None:
+    """With ``resume=auto``, the recorded metrics of the run that finished in ``run_dir`` (its ``done``
+    marker exists) with this start's settings, after one printed line saying so; else None. Nothing is
+    locked, logged to the run's files or written: a finished run stays as it is. A finished run of other
+    settings is left to the start's checks, which refuse it (:func:`_refuse_finished`)."""
+    found: dict[str, Any] | None = None
+
+    def look() -> None:
+        nonlocal found
+        finished = finished_run(run_dir) if ranks.main and _resume_auto(cfg) else None
+        if finished is not None and not RunLock(run_dir).busy():  # a live holder: refused as "in use"
+            trainer = cfg.trainer  # the run length, where the config alone fixes it (else the data does)
+            steps = schedule_length(trainer, 0)[1] if trainer.get("steps") is not None else None
+            if not finished.differences(config_key(cfg, steps), config):
+                found = finished.metrics
+
+    _on_rank0(ranks, look)
+    found = ranks.broadcast(found)
+    if found is not None and ranks.main:  # printed, not logged: the run's train.log stays untouched
+        print(
+            f"run {run_dir} is finished ({run_dir / DONE_FILE} exists): its metrics are in "
+            f"{run_dir / 'metrics.json'}; nothing to do (to train again, start a run in another folder)",
+            flush=True,
+        )
+    return found
+
+
+def _refuse_finished(cfg: DictConfig, run_dir: Path, key: dict[str, Any], config: dict[str, Any]) -> None:
+    """``ConfigError`` for ``resume=auto`` into a finished run that the other checks let through: one of
+    other model settings of the same layer shapes (a finished run of these settings returned earlier)."""
+    finished = finished_run(run_dir) if _resume_auto(cfg) else None
+    if finished is not None:
+        raise finished.refusal(finished.differences(key, config) or ["other settings"])
+
+
+def _resume_auto(cfg: DictConfig) -> bool:
+    return str(cfg.get("resume")).strip() == "auto"
 
 
 def _layerwise(scaler: LossScaler) -> bool:
