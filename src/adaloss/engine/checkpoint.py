@@ -5,8 +5,8 @@ completed), holding everything a run needs to continue as if it had never stoppe
 schedule, loss scaler (the adaptive scaler's per-layer state included), every RNG state, the data position
 (epoch, batch within it, the shuffle generator's state at the epoch's start), the loop's running numbers
 (best metric, training-window sums, last underflow rates, the divergence guard's count), the W&B run id and
-the key config fields it must be resumed with. The trainer assembles that dict; this module writes, finds,
-checks and reads it.
+the key config fields it must be resumed with. :class:`CheckpointParts` lays that dict out from the run's
+parts and puts it back; :class:`CheckpointManager` writes, finds, checks and reads it.
 
 * **Atomic**: written to a temporary file in the same folder, fsynced, then ``os.replace``-d to its name
   (and the folder fsynced), so a crash leaves the previous checkpoints intact and never a partial file
@@ -30,21 +30,31 @@ checks and reads it.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import pickle
 import re
 import zipfile
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from omegaconf import DictConfig
 
+from adaloss.distributed import DistInfo, rank_seed
 from adaloss.errors import ConfigError
 from adaloss.logging.metrics import write_atomic
+from adaloss.utils.seed import capture_rng_state, restore_rng_state, seed_everything
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from adaloss.data.loaders import BatchStream
+    from adaloss.engine.faults import DivergenceGuard
+    from adaloss.scalers import LossScaler
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +62,8 @@ __all__ = [
     "FORMAT_VERSION",
     "CheckpointError",
     "CheckpointManager",
+    "CheckpointParts",
+    "Progress",
     "Resume",
     "check_config_key",
     "check_model_shapes",
@@ -395,6 +407,104 @@ def _in_folder(folder: Path) -> str:
     newest = CheckpointManager(run).checkpoints()
     pick = f"resume={newest[-1][1]}, or " if newest else ""
     return f"use {pick}resume=auto hydra.run.dir={run} to continue that run from its newest checkpoint"
+
+
+# ------------------------------------------------------------------------------ the checkpoint's layout
+
+
+@dataclass
+class Progress:
+    """What the run has measured so far: saved in checkpoints, so a resumed run reports the same numbers."""
+
+    test_value: float = 0.0
+    best_value: float = 0.0
+    evaluation: dict[str, Any] = field(default_factory=dict)  # the last evaluation's metrics.json entries
+    rates: dict[str, float] = field(default_factory=dict)  # underflow rates of the last telemetry step
+    train_loss: float = math.nan
+    train_accuracy: float | None = None
+    train_time: float = 0.0  # seconds in training iterations (evaluation excluded), for images/s
+    elapsed_s: float = 0.0  # wall time up to the last checkpoint
+
+    def state_dict(self) -> dict[str, Any]:
+        state = plain(vars(self))
+        state["evaluation_value"] = getattr(self.evaluation, "value", None)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from adaloss.engine.tasks import Evaluation  # the tasks import the models: only when resuming
+
+        state = dict(state)
+        value = state.pop("evaluation_value", None)
+        for key in vars(self):
+            if key in state:
+                setattr(self, key, state[key])
+        if value is not None:
+            self.evaluation = Evaluation(value, **self.evaluation)
+
+
+@dataclass
+class CheckpointParts:
+    """Everything a checkpoint saves and restores, with the layout of the checkpoint file.
+
+    Holds only tensors and plain data (see the module docstring): RNG states as tensors, the training
+    window's sums as tensors (the task's window has no ``state_dict``; its attributes are saved as they
+    are).
+    """
+
+    key: dict[str, Any]  # config_key(): the settings a resumed run must share
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    scaler: LossScaler
+    batches: BatchStream
+    window: Any
+    guard: DivergenceGuard
+    progress: Progress
+    ranks: DistInfo
+
+    def state_dict(self, step: int, config: dict[str, Any], wandb_run_id: str | None) -> dict[str, Any]:
+        """The checkpoint. Under DDP every rank must call it (it gathers the ranks' RNG states: ``rng`` is
+        rank 0's, ``rng_ranks`` all of them); rank 0 saves it."""
+        rng = capture_rng_state()
+        extra: dict[str, Any] = {}
+        if self.ranks.is_distributed:
+            extra["rng_ranks"] = self.ranks.gather(rng)
+            rng = extra["rng_ranks"][0]
+        return {
+            "format": FORMAT_VERSION,
+            "step": step,
+            "config_key": self.key,
+            "config": plain(config),
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "schedule": plain(self.scheduler.state_dict()),
+            "scaler": plain(self.scaler.state_dict()),
+            "rng": rng,
+            **extra,
+            "world_size": self.ranks.world_size,
+            "data": self.batches.state_dict(),
+            "window": object_state(self.window),
+            "guard": {"consecutive": self.guard.consecutive},
+            "progress": self.progress.state_dict(),
+            "wandb_run_id": wandb_run_id,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["schedule"])
+        self.scaler.load_state_dict(state["scaler"])
+        per_rank = state.get("rng_ranks") or []
+        if len(per_rank) == self.ranks.world_size > 1:
+            restore_rng_state(per_rank[self.ranks.rank])  # exact: each rank continues its own streams
+        else:
+            restore_rng_state(state["rng"])
+            if self.ranks.rank > 0:  # saved at another world size: a stream of this rank's own
+                seed_everything(rank_seed(int(self.key["seed"]), self.ranks.rank, int(state["step"])))
+        self.batches.load_state_dict(state["data"])
+        restore_object_state(self.window, state.get("window", {}))
+        self.guard.consecutive = int(state.get("guard", {}).get("consecutive", 0))
+        self.progress.load_state_dict(state.get("progress", {}))
 
 
 # ------------------------------------------------------------------------------ plain-data conversion
