@@ -1,5 +1,11 @@
 """``train(cfg)``: build every part of a run from the composed config, train, evaluate, record.
 
+A run goes through named phases, in this order: :func:`_build` (data, task, scaler, precision, model,
+optimizer: writes nothing), :func:`_resume` (the checkpoint to continue from, every check of the run folder,
+then the folder is the run's), :func:`_loop` (the iterations; what is due after each: telemetry, a log line,
+:func:`_evaluate`, a checkpoint, a stop on a signal) and :func:`_finish` (``metrics.json``, then the ``done``
+marker). They share one :class:`_Run`.
+
 The loop reads top to bottom (the step shape of ``docs/architecture.md``): forward and loss under the
 precision context, backward through the loss scaler, optional unscale + clip, step, update, and the lr
 schedule only after an applied update. Host-device syncs per iteration: one in ``scaler.step`` (the Inf/NaN
@@ -343,9 +349,7 @@ def _resume(run: _Run, folder: RunFolder) -> None:
     _on_rank0(ranks, lambda: folder.check(cfg.get("resume"), run.key, resumed))
     if resumed is not None:
         check_model_shapes(resumed.state, run.module, resumed.path, run.config)  # e.g. another model.hidden
-    _on_rank0(
-        ranks, lambda: _refuse_finished(cfg, run.run_dir, run.key, run.config) if ranks.is_main else None
-    )
+    _on_rank0(ranks, lambda: _refuse_finished(run))
     if resumed is not None:
         run.parts.load_state_dict(resumed.state)
         run.done = run.saved = resumed.step
@@ -709,12 +713,13 @@ def _finished_run(
     return found
 
 
-def _refuse_finished(cfg: DictConfig, run_dir: Path, key: dict[str, Any], config: dict[str, Any]) -> None:
+def _refuse_finished(run: _Run) -> None:
     """``ConfigError`` for ``resume=auto`` into a finished run that the other checks let through: one of
-    other model settings of the same layer shapes (a finished run of these settings returned earlier)."""
-    finished = finished_run(run_dir) if _resume_auto(cfg) else None
+    other model settings of the same layer shapes (a finished run of these settings returned earlier).
+    Rank 0 only: the others own no folder."""
+    finished = finished_run(run.run_dir) if run.ranks.is_main and _resume_auto(run.cfg) else None
     if finished is not None:
-        raise finished.refusal(finished.differences(key, config) or ["other settings"])
+        raise finished.refusal(finished.differences(run.key, run.config) or ["other settings"])
 
 
 def _resume_auto(cfg: DictConfig) -> bool:
