@@ -12,6 +12,9 @@ folder another run holds or another run's record fills). A run that fails that w
 removes the run folder Hydra made for it, if that folder holds nothing but Hydra's own files (``.hydra/``
 and the log). ``HYDRA_FULL_ERROR=1`` keeps Hydra's full report.
 
+A missing torchvision (the ``vision`` extra of ``pyproject.toml``) is bad input too: one ``error:`` line
+saying which release to install.
+
 Other endings, each one line and no traceback: a run stopped by a signal (SIGTERM, SIGINT, SIGUSR2, SIGHUP)
 logs where it saved and how to resume, and exits with ``128 + the signal number``; a write into the run
 folder that fails (disk full, read-only, folder deleted) prints ``error:`` and exits with status 1, as a
@@ -53,7 +56,13 @@ def main(cfg: DictConfig) -> float:
     global _started
     _started = True
     _hydra_reports_errors(True)
-    from adaloss.engine import train  # imported here so `--help` and `--cfg` stay fast
+    try:
+        from adaloss.engine import train  # imported here so `--help` and `--cfg` stay fast
+    except ModuleNotFoundError as error:  # torchvision is an extra (pyproject.toml): say how to add it
+        if error.name != "torchvision":
+            raise
+        _remove_untouched_run_folder(cfg)
+        _fail(_no_torchvision())
     from adaloss.engine.faults import TrainingDiverged
     from adaloss.engine.run_folder import RunFolderError
     from adaloss.engine.signals import RunInterrupted
@@ -157,6 +166,17 @@ def _hydra_reports_errors(report: bool) -> None:
         os.environ.pop(_FULL_ERROR, None)
     else:
         os.environ[_FULL_ERROR] = "1"
+
+
+def _no_torchvision() -> str:
+    """The line for a missing torchvision, naming the installed torch (the release must match it)."""
+    import torch
+
+    return (
+        "torchvision is not installed, and training needs it (datasets, transforms, SSD): install the "
+        f"release made for your torch {torch.__version__} (torch 2.14 takes torchvision 0.29, 2.13 takes "
+        "0.28), or pip install -e '.[vision]'"
+    )
 
 
 def _interrupted() -> str:

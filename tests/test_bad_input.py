@@ -655,6 +655,8 @@ def test_run_folder_faults_are_one_error_line(
             stack.callback(lock.release)
             before = _snapshot(run)  # with the lock file this process holds
         elif state == "read-only":
+            (run / "done").unlink()  # unfinished, as if killed after its last checkpoint: resuming writes
+            before = _snapshot(run)
             wrap = stack.enter_context(_read_only(run))
         prelude = {"disk-full": DISK_FULL, "checkpoints-deleted": CHECKPOINTS_DELETED}.get(state, "")
         proc = _run_cli(args, prelude=prelude, wrap=wrap)

@@ -288,6 +288,7 @@ def test_corrupt_newest_checkpoint_warns_and_the_previous_is_used(
     make_cfg: Callable[..., DictConfig], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     train(make_cfg(*FAST))
+    (tmp_path / "done").unlink()  # unfinished, as if killed after its last checkpoint
     first = _weights(tmp_path / "model.pt")
     newest = tmp_path / "checkpoints" / "step_4.pt"
     newest.write_bytes(newest.read_bytes()[:1000])  # truncated, e.g. by a full disk outside our control

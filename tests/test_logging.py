@@ -178,7 +178,7 @@ def test_wandb_records_summaries_tags_and_one_table_per_telemetry_step(
     assert run.summary["underflow/mean"]["last"] == pytest.approx(written["mean_underflow_rate"])
     # every W&B file is in the run folder
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == ["metrics.json", "run_key.json", "scalars.csv", "telemetry.jsonl", "wandb"], names
+    assert names == ["done", "metrics.json", "run_key.json", "scalars.csv", "telemetry.jsonl", "wandb"], names
 
 
 def test_wandb_per_layer_series_on_request_and_the_adaptive_table(

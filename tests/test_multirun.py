@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, TINY
+from conftest import ROOT, TINY, slow_train_command
 
 TINY_CLI = [*TINY, "model=mlp"]
 
@@ -52,6 +54,46 @@ def test_multirun_with_the_joblib_launcher(tmp_path: Path) -> None:
     proc = _run([*args, f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(list(sweep.glob("*/metrics.json"))) == 2
+
+
+def _snapshot(folder: Path) -> dict[str, tuple[int, bytes]]:
+    """Every file under ``folder`` with its modification time (ns) and bytes."""
+    return {str(p.relative_to(folder)): (p.stat().st_mtime_ns, p.read_bytes()) for p in folder.rglob("*")
+            if p.is_file()}  # fmt: skip
+
+
+def test_a_sweep_relaunched_after_a_crash_reruns_only_its_unfinished_jobs(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    args = ["-m", *TINY_CLI, "trainer.max_steps=6", "trainer.checkpoint_every=2", "seed=0,1,2",
+            f"hydra.sweep.dir={sweep}"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    # every SGD step sleeps 0.3 s: job 1 is still training when the sweep is killed after its first checkpoint
+    first = subprocess.Popen([*slow_train_command(0.3), *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.monotonic() + 240
+    while not list(sweep.glob("1_*/checkpoints/step_2.pt")) and time.monotonic() < deadline:
+        assert first.poll() is None, first.communicate()[1][-3000:]
+        time.sleep(0.02)
+    first.send_signal(signal.SIGKILL)  # the machine went down: no clean-up of any kind
+    first.communicate(timeout=60)
+    jobs = {p.name.split("_")[0]: p for p in sweep.iterdir() if p.is_dir()}
+    assert sorted(jobs) == ["0", "1"], sorted(jobs)  # job 2 never started
+    assert (jobs["0"] / "done").is_file() and not (jobs["1"] / "done").exists()
+    finished = _snapshot(jobs["0"])
+
+    again = _run([*args, "resume=auto"], cwd=ROOT)  # the same sweep, relaunched as it was
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert _snapshot(jobs["0"]) == finished  # the finished job: not a file touched
+    assert f"run {jobs['0']} is finished" in again.stdout
+    assert f"resuming from {jobs['1'] / 'checkpoints'}" in again.stdout  # continued, not started over
+    jobs = {p.name.split("_")[0]: p for p in sweep.iterdir() if p.is_dir()}
+    for job in ("1", "2"):
+        assert f"run {jobs[job]} is finished" not in again.stdout
+        assert (jobs[job] / "done").is_file(), job
+        assert json.loads((jobs[job] / "metrics.json").read_text())["steps"] == 6
+        rows = (jobs[job] / "scalars.csv").read_text().splitlines()[1:]
+        assert [int(r.split(",")[0]) for r in rows] == [1, 2, 3, 4, 5, 6]  # each iteration once
 
 
 @pytest.mark.parametrize(

@@ -22,7 +22,8 @@ import pytest
 import yaml
 from omegaconf import DictConfig
 
-from adaloss.engine import train
+from adaloss.engine import run_folder, train
+from adaloss.engine import trainer as trainer_module
 from adaloss.engine.run_folder import LOCK_FILE, RunFolderBusy, RunLock
 from adaloss.errors import ConfigError
 from conftest import slow_train_command
@@ -205,3 +206,102 @@ def test_hydra_files_are_written_by_the_run_once_it_is_accepted(tmp_path: Path) 
     assert config["model"]["name"] == "mlp" and config["trainer"]["max_steps"] == 2
     hydra = yaml.safe_load((run / ".hydra" / "hydra.yaml").read_text())["hydra"]
     assert hydra["runtime"]["output_dir"] == str(run) and hydra["runtime"]["choices"]["model"] == "mlp"
+
+
+# ------------------------------------------------------------------------- a finished run stays finished
+
+
+def _snapshot(folder: Path) -> dict[str, tuple[int, bytes]]:
+    """Every file under ``folder`` with its modification time (ns) and bytes."""
+    return {str(p.relative_to(folder)): (p.stat().st_mtime_ns, p.read_bytes()) for p in folder.rglob("*")
+            if p.is_file()}  # fmt: skip
+
+
+def test_resume_auto_on_a_finished_run_prints_one_line_and_changes_nothing(
+    make_cfg: Callable[..., DictConfig], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    overrides = ("model=mlp", "trainer.max_steps=3", "trainer.checkpoint_every=2")
+    first = train(make_cfg(*overrides))
+    assert (tmp_path / "done").is_file() and (tmp_path / "checkpoints" / "step_2.pt").is_file()
+    before = _snapshot(tmp_path)
+    capsys.readouterr()
+    time.sleep(0.01)  # a file rewritten now would get a later mtime
+    again = train(make_cfg(*overrides, "resume=auto", "optimizer.lr=0.5"))  # the lr may change on resume
+    assert again == json.loads((tmp_path / "metrics.json").read_text())
+    assert again["test_accuracy"] == first["test_accuracy"] and again["steps"] == 3
+    printed = capsys.readouterr().out.splitlines()
+    assert printed == [
+        f"run {tmp_path} is finished ({tmp_path / 'done'} exists): its metrics are in "
+        f"{tmp_path / 'metrics.json'}; nothing to do (to train again, start a run in another folder)"
+    ]
+    assert _snapshot(tmp_path) == before  # no file written, touched, added or removed
+
+
+def test_resume_auto_on_a_finished_run_from_the_command_line_exits_0_with_its_folder_untouched(
+    tmp_path: Path,
+) -> None:
+    run = tmp_path / "run"
+    overrides = ["dataset=synthetic", "dataset.image_size=16", "dataset.train_size=16", "dataset.test_size=8",
+                 "trainer.batch_size=4", "trainer.max_steps=3", "trainer.checkpoint_every=2", "model=mlp",
+                 "device=cpu", "logger=none", "trainer.progress_bar=false",
+                 f"hydra.run.dir={run}"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "train.py", *overrides]
+    first = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = _snapshot(run)
+    assert {"done", "metrics.json", "train.log", "checkpoints/step_2.pt"} <= set(before)
+    again = subprocess.run([*command, "resume=auto"], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=300)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.splitlines() == [
+        f"run {run} is finished ({run / 'done'} exists): its metrics are in {run / 'metrics.json'}; "
+        "nothing to do (to train again, start a run in another folder)"
+    ]
+    assert "Traceback" not in again.stderr
+    assert _snapshot(run) == before  # train.log included: not a line appended
+
+
+def test_the_done_marker_is_written_last_and_only_by_a_run_that_finished(
+    make_cfg: Callable[..., DictConfig], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    overrides = ("model=mlp", "trainer.max_steps=4", "trainer.checkpoint_every=2")
+    reference = make_cfg(*overrides)
+    reference.paths.output_dir = str(tmp_path / "reference")
+    expected = train(reference)
+    real_write = run_folder.write_json_atomic
+
+    def dies_after_metrics(path: Path, data: dict) -> Path:  # the process dies right after metrics.json
+        written = real_write(path, data)
+        if Path(path).name == "metrics.json":
+            raise _Killed
+        return written
+
+    monkeypatch.setattr(trainer_module, "write_json_atomic", dies_after_metrics)
+    with pytest.raises(_Killed):
+        train(make_cfg(*overrides))
+    monkeypatch.undo()
+    assert (tmp_path / "metrics.json").is_file() and not (tmp_path / "done").exists()
+    # not finished without its marker: resume=auto continues from the newest checkpoint and finishes
+    resumed = train(make_cfg(*overrides, "resume=auto"))
+    assert (tmp_path / "done").is_file() and resumed["test_accuracy"] == expected["test_accuracy"]
+
+    # a resume from one of a finished run's checkpoint files rewrites its record: unfinished meanwhile
+    seen = []
+    train(make_cfg(*overrides, f"resume={tmp_path / 'checkpoints' / 'step_2.pt'}"),
+          callbacks=[lambda *_: seen.append((tmp_path / "done").exists())])  # fmt: skip
+    assert seen == [False, False] and (tmp_path / "done").is_file()
+
+
+def test_resume_auto_into_a_finished_run_of_other_model_settings_is_refused(
+    make_cfg: Callable[..., DictConfig], tmp_path: Path
+) -> None:
+    overrides = ("model=vit", "trainer.max_steps=3", "trainer.checkpoint_every=2")
+    train(make_cfg(*overrides))
+    before = _snapshot(tmp_path)
+    with pytest.raises(ConfigError) as info:  # the same layer shapes, another dropout
+        train(make_cfg(*overrides, "model.dropout=0.1", "resume=auto"))
+    message = str(info.value)
+    assert f"run folder {tmp_path} holds a finished run made with model.dropout=0.0:" in message, message
+    assert "hydra.run.dir=<new folder>" in message and "\n" not in message
+    assert {k: v[1] for k, v in _snapshot(tmp_path).items()} == {k: v[1] for k, v in before.items()}

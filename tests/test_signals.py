@@ -126,6 +126,7 @@ def test_handlers_installed_before_the_run_get_the_signal_after_the_checkpoint(
         metrics = train(make_cfg(*RUN), callbacks=[_send_at(2, signal.SIGTERM)])
         assert metrics["steps"] == 8 and (tmp_path / "metrics.json").exists()  # SIGTERM: the run went on
         assert calls == [("bypass", ["step_2.pt"])]  # ... after its checkpoint was written
+        (tmp_path / "done").unlink()  # unfinished, as if killed after its last checkpoint
         with pytest.raises(SystemExit):
             train(make_cfg(*RUN, "resume=auto"), callbacks=[_send_at(7, signal.SIGUSR2)])
         assert calls[1] == ("requeue", ["step_5.pt", "step_7.pt"])  # saved, then handed on

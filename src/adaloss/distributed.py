@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,23 +37,129 @@ from torch import nn
 
 from adaloss.errors import ConfigError
 
-__all__ = ["DistInfo", "destroy", "init_distributed", "is_main_process", "wrap_model"]
+__all__ = ["DistInfo", "destroy", "init_distributed", "is_main_process", "rank_seed", "wrap_model"]
 
 _ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 
 @dataclass(frozen=True)
 class DistInfo:
-    """Where this process sits: global rank, number of processes, rank on this host, device."""
+    """Where this process sits (global rank, number of processes, rank on this host, device, the process
+    group's backend) and the few collectives the training loop needs.
 
-    rank: int
-    world_size: int
-    local_rank: int
-    device: torch.device
+    With one process (``world_size == 1``) every collective is a no-op that returns its input, so the loop
+    has one shape. Every collective here must be called by all ranks at the same point of the loop (on
+    steps that are the same on all ranks: logging, telemetry, evaluation, checkpoint and skipped steps).
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+    backend: str | None = None  # "nccl" or "gloo" in a process group; None for one process
+
+    @classmethod
+    def join(cls, device: torch.device) -> DistInfo:
+        """Join torchrun's process group (NCCL for CUDA, gloo for the CPU) or stay a single process.
+
+        ``device`` is the validated ``cfg.device``; under torchrun the device becomes ``cuda:LOCAL_RANK``.
+        ``ConfigError`` for an inconsistent torchrun environment or a group whose backend does not fit it.
+        """
+        info = init_distributed(device.type)
+        if not info.is_distributed:
+            return cls(device=device)
+        backend = str(dist.get_backend())
+        if (device.type == "cuda") != (backend == "nccl"):
+            raise ConfigError(
+                f"device={device.type} but the process group uses {backend}: a CUDA run needs nccl and a "
+                "CPU run gloo; set device= to match the group"
+            )
+        return cls(info.rank, info.world_size, info.local_rank, info.device, backend)
 
     @property
     def is_distributed(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 (or the only process): the one that logs and writes."""
+        return self.rank == 0
+
+    @property
+    def loss_factor(self) -> float:
+        """What each rank multiplies its mean loss by before the backward pass (gradients are summed)."""
+        return 1.0 / self.world_size
+
+    def wrap(self, module: nn.Module) -> nn.Module:
+        """``module`` in DDP with gradients summed over the ranks (:func:`sum_gradients`), or as it is."""
+        if not self.is_distributed:
+            return module
+        model = wrap_model(module, self)
+        model.register_comm_hook(None, sum_gradients)
+        return model
+
+    def barrier(self) -> None:
+        if self.is_distributed:
+            dist.barrier()
+
+    def any_(self, flag: bool) -> bool:
+        """Whether ``flag`` is set on any rank (one tiny all-reduce under DDP)."""
+        if not self.is_distributed:
+            return flag
+        tensor = torch.tensor([float(flag)], device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return bool(tensor.item())
+
+    def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """All-reduce (SUM) ``tensor`` in place over the ranks; returns it."""
+        if self.is_distributed:
+            dist.all_reduce(tensor)
+        return tensor
+
+    def mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The mean over the ranks of their (local) losses, in float64: not finite iff any rank's is not."""
+        if not self.is_distributed:
+            return loss
+        return self.sum_(loss.detach().double().reshape(()).clone()) / self.world_size
+
+    def mean_rates(self, rates: dict[str, float]) -> dict[str, float]:
+        """Per-layer underflow rates averaged over the ranks (every rank counts as many elements)."""
+        if not self.is_distributed or not rates:
+            return rates
+        names = list(rates)  # the same layers in the same order on every rank
+        values = torch.tensor([rates[n] for n in names], dtype=torch.float64, device=self.device)
+        return dict(zip(names, (self.sum_(values) / self.world_size).tolist(), strict=True))
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` (picklable), on every rank."""
+        if not self.is_distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (picklable), in rank order, on every rank."""
+        if not self.is_distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+
+def sum_gradients(process_group, bucket):  # no annotations: DDP checks them, and ours would be strings
+    """DDP comm hook ``(process group or None, dist.GradBucket) -> Future[Tensor]``: all-reduce SUM of a
+    gradient bucket (DDP's default hook divides by the world size; the trainer divides the loss by it
+    instead, see :attr:`DistInfo.loss_factor`)."""
+    group = process_group if process_group is not None else dist.group.WORLD
+    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def rank_seed(seed: int, rank: int, step: int = 0) -> int:
+    """The seed of data-parallel rank ``rank > 0``'s global RNGs (its random augmentation), distinct from
+    every other rank's and, with ``step``, from the stream of an earlier start."""
+    return ((seed * 1_000_003 + rank) * 1_000_033 + step) % 2**63
 
 
 def _env_int(name: str) -> int:

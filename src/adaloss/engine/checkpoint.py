@@ -5,8 +5,8 @@ completed), holding everything a run needs to continue as if it had never stoppe
 schedule, loss scaler (the adaptive scaler's per-layer state included), every RNG state, the data position
 (epoch, batch within it, the shuffle generator's state at the epoch's start), the loop's running numbers
 (best metric, training-window sums, last underflow rates, the divergence guard's count), the W&B run id and
-the key config fields it must be resumed with. The trainer assembles that dict; this module writes, finds,
-checks and reads it.
+the key config fields it must be resumed with. :class:`CheckpointParts` lays that dict out from the run's
+parts and puts it back; :class:`CheckpointManager` writes, finds, checks and reads it.
 
 * **Atomic**: written to a temporary file in the same folder, fsynced, then ``os.replace``-d to its name
   (and the folder fsynced), so a crash leaves the previous checkpoints intact and never a partial file
@@ -17,6 +17,7 @@ checks and reads it.
   from the file.
 * **Resume**: ``resume=auto`` continues from the newest *valid* checkpoint in the run folder (a truncated or
   corrupt one is skipped with a warning naming the file and the reason), or starts fresh if there is none;
+  on a run that finished (its ``done`` marker exists, :mod:`adaloss.engine.run_folder`) it changes nothing;
   ``resume=<file>`` continues from that file (a ``ConfigError`` if it is missing, a directory, unreadable
   or holds a model of other layer shapes);
   ``resume=null`` starts fresh. Resuming with a different model, dataset, scaler, precision, batch size,
@@ -29,21 +30,31 @@ checks and reads it.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import pickle
 import re
 import zipfile
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from omegaconf import DictConfig
 
+from adaloss.distributed import DistInfo, rank_seed
 from adaloss.errors import ConfigError
 from adaloss.logging.metrics import write_atomic
+from adaloss.utils.seed import capture_rng_state, restore_rng_state, seed_everything
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from adaloss.data.loaders import BatchStream
+    from adaloss.engine.faults import DivergenceGuard
+    from adaloss.scalers import LossScaler
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +62,15 @@ __all__ = [
     "FORMAT_VERSION",
     "CheckpointError",
     "CheckpointManager",
+    "CheckpointParts",
+    "Progress",
     "Resume",
     "check_config_key",
     "check_model_shapes",
     "config_key",
+    "key_differences",
     "load_checkpoint",
+    "model_differences",
     "object_state",
     "plain",
     "restore_object_state",
@@ -137,20 +152,23 @@ def _weights_only_reason(error: BaseException) -> str:
     return (after.splitlines()[0] if after else _first_sentence(error))[:200]
 
 
-def config_key(cfg: DictConfig, steps: int) -> dict[str, Any]:
-    """The config fields a checkpoint must be resumed with (``steps``: the iterations of the run).
+def config_key(cfg: DictConfig, steps: int | None) -> dict[str, Any]:
+    """The config fields a checkpoint must be resumed with (``steps``: the iterations of the run; None
+    leaves that field out, for a comparison made before the data fixes the run length).
 
     Everything else (learning rate, scaler hyperparameters, logging cadence, ...) may change on resume.
     """
-    return {
+    key = {
         "model": str(cfg.model.name),
         "dataset": str(cfg.dataset.name),
         "scaler": str(cfg.scaler.name),
         "precision": str(cfg.precision.name),
         "batch_size": int(cfg.trainer.batch_size),
         "seed": int(cfg.seed),
-        "steps": int(steps),
     }
+    if steps is not None:
+        key["steps"] = int(steps)
+    return key
 
 
 # Config keys behind each config_key field, for the error message's fix.
@@ -163,6 +181,18 @@ _KEY_SETTINGS = {
     "seed": "seed",
     "steps": "trainer.max_steps",
 }
+
+
+def key_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    """The saved run's :func:`config_key` fields that differ from ``current``'s, as overrides
+    (``seed=0``); only the fields both hold are compared."""
+    return [f"{_KEY_SETTINGS[k]}={saved[k]}" for k in current if k in saved and saved[k] != current[k]]
+
+
+def model_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    """The saved run's ``model`` settings that differ from ``current``'s, as overrides
+    (``model.hidden=[256,256]``); only the settings both hold are compared."""
+    return [f"model.{k}={_value(saved[k])}" for k in sorted(saved) if k in current and saved[k] != current[k]]
 
 
 def check_config_key(
@@ -195,10 +225,7 @@ def check_model_shapes(state: Mapping[str, Any], model: Any, path: Path, config:
     what = [f"{k}: {list(saved[k].shape)} in the checkpoint, {list(ours[k].shape)} here" for k in differ[:2]]
     what += [f"{k} only in this model" for k in missing[:1]]
     what += [f"{k} only in the checkpoint" for k in extra[:1]]
-    theirs = (state.get("config") or {}).get("model") or {}
-    here = config.get("model") or {}
-    differ_in = [k for k in sorted(theirs) if k in here and theirs[k] != here[k]]
-    settings = [f"model.{k}={_value(theirs[k])}" for k in differ_in]
+    settings = model_differences((state.get("config") or {}).get("model") or {}, config.get("model") or {})
     fix = f"resume with {' '.join(settings)}" if settings else "resume with the model it was made with"
     raise ConfigError(
         f"checkpoint {path} holds a model of other layer shapes ({'; '.join(what)}): {fix}, or start a "
@@ -380,6 +407,108 @@ def _in_folder(folder: Path) -> str:
     newest = CheckpointManager(run).checkpoints()
     pick = f"resume={newest[-1][1]}, or " if newest else ""
     return f"use {pick}resume=auto hydra.run.dir={run} to continue that run from its newest checkpoint"
+
+
+# ------------------------------------------------------------------------------ the checkpoint's layout
+
+
+@dataclass
+class Progress:
+    """What the run has measured so far: saved in checkpoints, so a resumed run reports the same numbers."""
+
+    test_value: float = 0.0
+    best_value: float = 0.0
+    evaluation: dict[str, Any] = field(default_factory=dict)  # the last evaluation's metrics.json entries
+    rates: dict[str, float] = field(default_factory=dict)  # underflow rates of the last telemetry step
+    train_loss: float = math.nan
+    train_accuracy: float | None = None
+    train_time: float = 0.0  # seconds in training iterations (evaluation excluded), for images/s
+    elapsed_s: float = 0.0  # wall time up to the last checkpoint
+
+    def state_dict(self) -> dict[str, Any]:
+        state = plain(vars(self))
+        state["evaluation_value"] = getattr(self.evaluation, "value", None)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from adaloss.engine.tasks import Evaluation  # the tasks import the models: only when resuming
+
+        state = dict(state)
+        value = state.pop("evaluation_value", None)
+        for key in vars(self):
+            if key in state:
+                setattr(self, key, state[key])
+        if value is not None:
+            self.evaluation = Evaluation(value, **self.evaluation)
+
+
+@dataclass
+class CheckpointParts:
+    """Everything a checkpoint saves and restores, with the layout of the checkpoint file.
+
+    Holds only tensors and plain data (see the module docstring): RNG states as tensors, the training
+    window's sums as tensors (the task's window has no ``state_dict``; its attributes are saved as they
+    are).
+    """
+
+    key: dict[str, Any]  # config_key(): the settings a resumed run must share
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    scaler: LossScaler
+    batches: BatchStream
+    window: Any
+    guard: DivergenceGuard
+    progress: Progress
+    ranks: DistInfo
+    precision: Any = None  # its gradient quantizer's state (FP8 delayed scaling's amax histories)
+
+    def state_dict(self, step: int, config: dict[str, Any], wandb_run_id: str | None) -> dict[str, Any]:
+        """The checkpoint. Under DDP every rank must call it (it gathers the ranks' RNG states: ``rng`` is
+        rank 0's, ``rng_ranks`` all of them); rank 0 saves it."""
+        rng = capture_rng_state()
+        extra: dict[str, Any] = {}
+        if self.ranks.is_distributed:
+            extra["rng_ranks"] = self.ranks.gather(rng)
+            rng = extra["rng_ranks"][0]
+        return {
+            "format": FORMAT_VERSION,
+            "step": step,
+            "config_key": self.key,
+            "config": plain(config),
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "schedule": plain(self.scheduler.state_dict()),
+            "scaler": plain(self.scaler.state_dict()),
+            "rng": rng,
+            **extra,
+            "world_size": self.ranks.world_size,
+            "data": self.batches.state_dict(),
+            "window": object_state(self.window),
+            "guard": {"consecutive": self.guard.consecutive},
+            "progress": self.progress.state_dict(),
+            "grad_quantizer": self.precision.state_dict() if self.precision is not None else {},
+            "wandb_run_id": wandb_run_id,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["schedule"])
+        self.scaler.load_state_dict(state["scaler"])
+        per_rank = state.get("rng_ranks") or []
+        if len(per_rank) == self.ranks.world_size > 1:
+            restore_rng_state(per_rank[self.ranks.rank])  # exact: each rank continues its own streams
+        else:
+            restore_rng_state(state["rng"])
+            if self.ranks.rank > 0:  # saved at another world size: a stream of this rank's own
+                seed_everything(rank_seed(int(self.key["seed"]), self.ranks.rank, int(state["step"])))
+        self.batches.load_state_dict(state["data"])
+        restore_object_state(self.window, state.get("window", {}))
+        self.guard.consecutive = int(state.get("guard", {}).get("consecutive", 0))
+        self.progress.load_state_dict(state.get("progress", {}))
+        if self.precision is not None:  # an older checkpoint has none: the quantizer starts afresh
+            self.precision.load_state_dict(state.get("grad_quantizer", {}))
 
 
 # ------------------------------------------------------------------------------ plain-data conversion

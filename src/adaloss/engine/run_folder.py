@@ -3,8 +3,8 @@ start writes once it is allowed to.
 
 A run folder (``paths.output_dir``, Hydra's ``hydra.run.dir``) holds the record of exactly one run:
 ``metrics.json``, ``model.pt``, ``telemetry.jsonl``, ``scalars.csv``, ``checkpoints/``, the W&B files,
-``run_key.json`` (the settings that identify the run, :func:`adaloss.engine.checkpoint.config_key`) and
-``.hydra/`` (the composed config). :class:`RunFolder` enforces that:
+``run_key.json`` (the settings that identify the run, :func:`adaloss.engine.checkpoint.config_key`),
+``.hydra/`` (the composed config) and, written last, the ``done`` marker. :class:`RunFolder` enforces that:
 
 * **Lock.** A live run holds ``<run dir>/.lock`` with ``fcntl.flock``; a second process on the folder is
   refused (:class:`RunFolderBusy`, one line naming the holder's PID, host and start time). The kernel drops a
@@ -21,6 +21,12 @@ A run folder (``paths.output_dir``, Hydra's ``hydra.run.dir``) holds the record 
 
 Writes into the folder go through :func:`writing`, which turns an ``OSError`` (disk full, read-only file
 system, a folder deleted while the run writes into it) into one :class:`RunFolderError` line.
+
+**Done marker.** As in DomainBed, a run is finished only if its ``done`` file exists: the trainer writes it
+after everything else (``metrics.json`` included), so a run that died at any point, however late, has none
+and is continued by ``resume=auto``. ``resume=auto`` on a finished run changes nothing
+(:func:`finished_run`); a resume from a checkpoint file into a finished folder removes the marker before
+it rewrites the record (:meth:`RunFolder.commit`), so the marker never vouches for half a record.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from adaloss.logging.metrics import write_atomic, write_json_atomic
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "DONE_FILE",
     "KEY_FILE",
     "LOCK_FILE",
     "RECORD_ENTRIES",
@@ -52,15 +59,21 @@ __all__ = [
     "RunFolderBusy",
     "RunFolderError",
     "RunLock",
+    "FinishedRun",
+    "finished_run",
     "resume_command",
     "writing",
 ]
 
 LOCK_FILE = ".lock"
 KEY_FILE = "run_key.json"
+#: Written last by a run that finished (DomainBed's ``done`` file); its absence means "not finished".
+DONE_FILE = "done"
+METRICS_FILE = "metrics.json"
 #: What makes a folder hold a run's record (``.hydra/`` and ``train.log`` are Hydra's and do not).
 RECORD_ENTRIES = (
-    "metrics.json",
+    METRICS_FILE,
+    DONE_FILE,
     "model.pt",
     "telemetry.jsonl",
     "scalars.csv",
@@ -232,6 +245,27 @@ class RunLock:
             return previous
         raise RuntimeError(f"could not lock {self.path}: it kept being replaced")
 
+    def busy(self) -> bool:
+        """Whether another live process holds the lock now; creates and writes nothing (an existing lock
+        file is opened read-only and locked for an instant). Cost: a few system calls."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError:
+            return False  # no lock file: nobody holds the folder
+        try:
+            try:
+                _flock(fd)
+            except BlockingIOError:
+                return True
+            except OSError as error:
+                if error.errno not in _NO_FLOCK:
+                    raise
+                holder = LockHolder.parse(_read_fd(fd))
+                return holder is not None and holder.alive() and holder.pid != os.getpid()
+            return False
+        finally:
+            os.close(fd)  # drops the instant's flock
+
     def release(self) -> None:
         if self._fd is None:
             return
@@ -286,7 +320,8 @@ class RunFolder:
             ...                                         # build everything; find the resume point
             folder.check(cfg.get("resume"), key, resumed)  # refuses another run's folder
             folder.commit(key, cfg)                     # run_key.json and .hydra/
-            ...                                         # train
+            ...                                         # train; metrics.json
+            folder.mark_done()                          # last: the run is finished
         finally:
             folder.release()                            # a start refused before commit() leaves no trace
 
@@ -370,10 +405,14 @@ class RunFolder:
     def commit(self, key: Mapping[str, Any], cfg: Any) -> None:
         """The start is accepted: record ``key`` in ``run_key.json`` and write Hydra's ``.hydra/`` files
         (``config.yaml``, ``hydra.yaml``, ``overrides.yaml``, as Hydra would have) when Hydra launched this
-        run in this folder. Cost: four small atomic writes."""
+        run in this folder. A ``done`` marker already there (a finished run resumed from one of its
+        checkpoint files) is removed first: the record is about to be rewritten. Cost: four small atomic
+        writes."""
         self.committed = True
         if not self.enabled:
             return
+        with writing("done marker", self.path / DONE_FILE):
+            _remove_durably(self.path / DONE_FILE)
         with writing("run key", self.path / KEY_FILE):
             write_json_atomic(self.path / KEY_FILE, {"config_key": dict(key)})
         hydra = _hydra_node(self.path)
@@ -391,6 +430,15 @@ class RunFolder:
             with writing("Hydra record", path):
                 write_atomic(path, lambda handle, text=text: handle.write(text.encode("utf-8")))
 
+    def mark_done(self) -> None:
+        """Write the ``done`` marker: the run is finished. Call it after every other write of the run, so
+        that the marker exists only beside a complete record. Cost: one small atomic write."""
+        if not self.enabled:
+            return
+        path = self.path / DONE_FILE
+        with writing("done marker", path):
+            write_atomic(path, lambda handle: handle.write(f"done: {METRICS_FILE} is complete\n".encode()))
+
     def release(self) -> None:
         """Drop the lock; before :meth:`commit`, first cut the ``*.log`` files back (see the class)."""
         if not self.enabled:
@@ -401,6 +449,66 @@ class RunFolder:
                     if path.stat().st_size > size:
                         os.truncate(path, size)
         self._lock.release()
+
+
+def _remove_durably(path: Path) -> None:
+    """Delete ``path`` if it exists and make the deletion durable (fsync of its folder)."""
+    if not path.exists():
+        return
+    path.unlink()
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True)
+class FinishedRun:
+    """The run that finished in a folder (its ``done`` marker exists): its record, read without writing."""
+
+    path: Path
+    metrics: dict[str, Any]  # metrics.json
+    key: dict[str, Any] | None  # run_key.json's settings, None if unreadable
+
+    def differences(self, key: Mapping[str, Any], config: Mapping[str, Any]) -> list[str]:
+        """The finished run's settings that differ from this start's, as overrides (``seed=0``,
+        ``model.hidden=[256,256]``): the fields of ``key`` (:func:`adaloss.engine.checkpoint.config_key`)
+        and the ``model`` section of the resolved ``config``. Empty: this start is that run."""
+        from adaloss.engine.checkpoint import key_differences, model_differences
+
+        if self.key is None:
+            return [f"{KEY_FILE} unreadable"]
+        theirs = (self.metrics.get("config") or {}).get("model") or {}
+        return key_differences(self.key, key) + model_differences(theirs, config.get("model") or {})
+
+    def refusal(self, differences: list[str]) -> ConfigError:
+        """The error for ``resume=auto`` into this finished run with other settings."""
+        return ConfigError(
+            f"run folder {self.path} holds a finished run made with {' '.join(differences)}: resume=auto "
+            f"with those settings reports its metrics ({self.path / METRICS_FILE}); to train with these, "
+            "start a run in another folder (hydra.run.dir=<new folder>)"
+        )
+
+
+def finished_run(path: Path) -> FinishedRun | None:
+    """The run that finished in ``path`` (its ``done`` marker exists), else None. Reads two small files and
+    writes nothing. ``ConfigError`` when the marker exists but ``metrics.json`` cannot be read."""
+    folder = Path(path)
+    if not (folder / DONE_FILE).is_file():
+        return None
+    try:
+        metrics = json.loads((folder / METRICS_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        metrics = error
+    if not isinstance(metrics, dict):
+        why = type(metrics).__name__ if isinstance(metrics, Exception) else "it holds no metrics"
+        raise ConfigError(
+            f"run folder {folder} is marked finished ({DONE_FILE}) but its {METRICS_FILE} cannot be read "
+            f"({why}); restore it, or delete {folder / DONE_FILE} to let resume=auto finish the run again "
+            "from its newest checkpoint"
+        )
+    return FinishedRun(folder, metrics, RunFolder(folder).recorded_key())
 
 
 def _hydra_node(run_dir: Path) -> Any:

@@ -6,6 +6,15 @@ The package is named after what it does for the project; Python's standard ``log
 
 from adaloss.logging.metrics import write_json_atomic
 from adaloss.logging.progress import ProgressBar
+from adaloss.logging.telemetry_log import TelemetryLog
 from adaloss.logging.wandb_logger import Logger, NullLogger, WandbLogger, build_logger
 
-__all__ = ["Logger", "NullLogger", "ProgressBar", "WandbLogger", "build_logger", "write_json_atomic"]
+__all__ = [
+    "Logger",
+    "NullLogger",
+    "ProgressBar",
+    "TelemetryLog",
+    "WandbLogger",
+    "build_logger",
+    "write_json_atomic",
+]
