@@ -439,3 +439,19 @@ def test_a_run_killed_part_way_and_resumed_ends_bitwise_identical(tmp_path: Path
                 "overflow_count", "loss_scale", "underflow_rate", "lr", "steps"):  # fmt: skip
         assert ours[key] == theirs[key], key
     assert (interrupted / "telemetry.jsonl").read_text() == (reference / "telemetry.jsonl").read_text()
+
+
+def test_fp8_delayed_scaling_resumes_with_its_amax_history(
+    make_cfg: Callable[..., DictConfig], tmp_path: Path
+) -> None:
+    """``precision.grad_scaling=tensor_delayed`` keeps an amax history per stored gradient: the checkpoint
+    carries it, so a resumed run scales as the uninterrupted run does and ends bitwise on its weights."""
+    recipe = ("precision=fp8_e5m2", "precision.grad_scaling={name:tensor_delayed,history_len:4}")
+    train(make_cfg(*FAST, *recipe, "scaler=dynamic"))
+    first = _weights(tmp_path / "model.pt")
+    state = load_checkpoint(tmp_path / "checkpoints" / "step_4.pt")
+    assert state["grad_quantizer"], "the checkpoint holds the quantizer's state"
+    (tmp_path / "model.pt").unlink()
+    (tmp_path / "metrics.json").unlink()
+    train(make_cfg(*FAST, *recipe, "scaler=dynamic", f"resume={tmp_path / 'checkpoints' / 'step_4.pt'}"))
+    _assert_bitwise_equal(first, _weights(tmp_path / "model.pt"))
