@@ -333,7 +333,7 @@ VALUE_CASES: list = [
             ([], "telemetry.expected_loss_scale", "maybe", "'maybe'"),
             (["scaler=adaptive"], "scaler.allow_below_one", "maybe", "'maybe'"),
             (["scaler=adaptive"], "scaler.product_betas", "1", "1"),
-            (["scaler=dynamic"], "+scaler.consecutive_hysteresis", "maybe", "'maybe'"),
+            (["scaler=dynamic"], "scaler.consecutive_hysteresis", "maybe", "'maybe'"),
             (["model=mlp"], "model.shared_hidden", "maybe", "'maybe'"),
             (["dataset=digits"], "dataset.augment", "maybe", "'maybe'"),
             ([], "trainer.save_final", "1", "1"),
