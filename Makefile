@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test test-full lint format demo bench tables figures reproduce-mini clean
+.PHONY: help setup test test-full lint format demo bench tables figures reproduce-mini docs clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  %-14s %s\n", $$1, $$2}'
@@ -13,7 +13,7 @@ help: ## list the targets
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test,docs]'
 	@touch $(STAMP)
 
 setup: $(STAMP) ## create .venv (Python 3.11), install the pinned dependencies, build the native kernels
@@ -36,8 +36,10 @@ format: setup ## ruff auto-format and fix
 demo: setup ## train ResNet-20 on digits under FP32 and every FP16 scaler; print the comparison table
 	$(PY) scripts/demo.py
 
-bench: setup ## step-time ratios (emulated FP16 / FP32, scalers / none, telemetry; the tiny GPT), dispatched ops per step
+bench: setup ## step-time ratios (emulated FP16 / FP32, scalers / none, telemetry; the tiny GPT), dispatched ops per step -> results/bench/bench.json, docs/performance.md
 	$(PY) scripts/bench.py
+	$(PY) scripts/render_docs.py stamp results/bench/bench.json --command "make bench"
+	$(PY) scripts/render_docs.py
 
 RUNS ?= results/sweeps
 tables: setup ## the paper's tables that have runs, and a summary of every sweep under RUNS (default results/sweeps) -> results/tables
@@ -49,5 +51,9 @@ figures: setup ## Figures 1a/1b/4a/4b, and underflow and loss-scale figures of e
 reproduce-mini: setup ## every experiment in reduced form on bundled data, then all tables and figures (3 seeds, ~1 h)
 	$(PY) scripts/reproduce_mini.py --out results/mini
 
+docs: setup ## build the documentation site into site/ offline, strict: a stale table, broken link or unresolved API reference fails
+	$(PY) scripts/render_docs.py --check
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
+
 clean: ## remove the virtual environment and caches
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache site

@@ -92,7 +92,8 @@ def mini_figures(root: Path) -> str:
     for name in MINI_FIGURES:
         title = meta["figures"][name]["title"].splitlines()[0]
         label = f"Figure {name[3:]}"
-        lines.append(f"![{label}, mini reproduction: {title}]({FIGURE_ASSETS.relative_to('docs').as_posix()}/{name}.png)")
+        src = f"{FIGURE_ASSETS.relative_to('docs').as_posix()}/{name}.png"
+        lines.append(f"![{label}, mini reproduction: {title}]({src})")
     return "\n\n".join(lines)
 
 
@@ -138,7 +139,9 @@ def attention_betas(root: Path) -> str:
                     }
                 layers = [k for k in table if k != ATTENTION_OUTPUT_LAYER]
 
-                def mean(keep: Callable[[str], bool], side: int, layers: list[str] = layers) -> float:
+                def mean(
+                    keep: Callable[[str], bool], side: int, layers: list[str] = layers, table: dict = table
+                ) -> float:
                     values = [table[k][side] for k in layers if keep(k)]
                     return sum(values) / len(values)
 
@@ -151,19 +154,16 @@ def attention_betas(root: Path) -> str:
                     cells.append(f"{_pct(mean(keep, 0))} -> {_pct(mean(keep, 1))}")
                 better = sum(table[k][1] < table[k][0] for k in layers)
                 worse = sum(table[k][1] > table[k][0] for k in layers)
-                rows.append(
-                    f"| {regime} | {fmt} | {rule} | {' | '.join(cells)} | {better} / {worse} of {len(layers)} |"
-                )
+                counts = f"{better} / {worse} of {len(layers)}"
+                rows.append(f"| {regime} | {fmt} | {rule} | {' | '.join(cells)} | {counts} |")
     return "\n".join(rows)
 
 
 def bench(root: Path) -> str:
-    """One section per measurement of record in ``results/bench/*.json``: what produced it, then its tables."""
+    """A section per measurement of record in ``results/bench/*.json``: what produced it, then its tables."""
     files = sorted((root / "results" / "bench").glob("*.json"))
     if not files:
-        return (
-            "No measurement of record is committed yet: run `make bench`, then stamp and render as above."
-        )
+        return "No measurement of record is committed yet: run `make bench`, then stamp and render as above."
     sections = []
     for path in files:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -172,7 +172,9 @@ def bench(root: Path) -> str:
         commit = record.get("commit", "not recorded")
         if record.get("dirty"):
             commit += " (with uncommitted changes)"
-        command = record.get("command") or "scripts/bench.py " + " ".join(data.get("settings", {}).get("argv", []))
+        command = record.get("command") or "scripts/bench.py " + " ".join(
+            data.get("settings", {}).get("argv", [])
+        )
         threads = machine.get("threads")
         cpu = f"{machine.get('cpu', '?')}, {machine.get('cores', '?')} cores, {threads} thread" + (
             "s" if threads != 1 else ""
@@ -187,8 +189,8 @@ def bench(root: Path) -> str:
                     "",
                     "| machine | load at start | torch | commit | date | command |",
                     "| --- | --- | --- | --- | --- | --- |",
-                    f"| {cpu} | {load_text} | {machine.get('torch', '?')} | {commit} | {machine.get('date', '?')} "
-                    f"| `{command}` |",
+                    f"| {cpu} | {load_text} | {machine.get('torch', '?')} | {commit} "
+                    f"| {machine.get('date', '?')} | `{command}` |",
                     "",
                     paragraphs(demote(data["table_markdown"], 1)),
                 ]
@@ -223,7 +225,9 @@ def fill(text: str, root: Path, where: str = "page") -> str:
     for m in BEGIN.finditer(text):
         name = m.group("name")
         if name not in REGIONS:
-            raise SystemExit(f"error: {where}: unknown generated region {name!r} (known: {', '.join(REGIONS)})")
+            raise SystemExit(
+                f"error: {where}: unknown generated region {name!r} (known: {', '.join(REGIONS)})"
+            )
         end = text.find(_end(name), m.end())
         if end < 0:
             raise SystemExit(f"error: {where}: region {name!r} has no '{_end(name)}'")
@@ -258,9 +262,11 @@ def differences(root: Path = ROOT) -> list[Path]:
     """The files whose committed content differs from what :func:`render` gives."""
     out = []
     for path, content in render(root).items():
-        current = (path.read_bytes() if isinstance(content, bytes) else path.read_text(encoding="utf-8")) if (
-            path.exists()
-        ) else None
+        current = (
+            (path.read_bytes() if isinstance(content, bytes) else path.read_text(encoding="utf-8"))
+            if (path.exists())
+            else None
+        )
         if current != content:
             out.append(path)
     return out
@@ -306,7 +312,9 @@ def stamp(path: Path, command: str, commit: str | None = None, root: Path = ROOT
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["stamp"]:
-        p = argparse.ArgumentParser(prog="render_docs.py stamp", description="record what produced a bench JSON")
+        p = argparse.ArgumentParser(
+            prog="render_docs.py stamp", description="record what produced a bench JSON"
+        )
         p.add_argument("json", type=Path)
         p.add_argument("--command", required=True, help="the command that wrote it, e.g. 'make bench'")
         p.add_argument("--commit", default=None, help="the commit it measured (default: HEAD)")
@@ -315,7 +323,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"stamped {args.json}: {record}")
         return 0
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--check", action="store_true", help="list the files that differ and exit 1; write nothing")
+    p.add_argument(
+        "--check", action="store_true", help="list the files that differ and exit 1; write nothing"
+    )
     args = p.parse_args(argv)
     if args.check:
         stale = differences()
