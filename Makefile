@@ -13,7 +13,9 @@ help: ## list the targets
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,docs]'
+	$(PY) -m pip install --quiet -e '.[test]'
+	@# the docs extra (make docs) from PyPI; without it everything else still works and the site tests skip
+	$(PY) -m pip install --quiet -e '.[docs]' || echo "warning: the docs extra did not install; make docs needs it"
 	@touch $(STAMP)
 
 setup: $(STAMP) ## create .venv (Python 3.11), install the pinned dependencies, build the native kernels
