@@ -102,3 +102,12 @@ def test_stamp_records_the_commit_and_command(tmp_path: Path) -> None:
     record = render_docs.stamp(path, "make bench", root=ROOT)
     assert record["command"] == "make bench" and len(record["commit"]) >= 7
     assert json.loads(path.read_text())["record"] == record
+
+
+def test_the_performance_page_renders_without_a_measurement(tmp_path: Path) -> None:
+    """Before the first ``make bench`` the region says so, instead of failing or rendering an empty table."""
+    root = _copy(tmp_path)
+    for path in (root / "results" / "bench").glob("*.json"):
+        path.unlink()
+    text = render_docs.render(root)[root / "docs" / "performance.md"]
+    assert "No measurement of record is committed yet" in text
