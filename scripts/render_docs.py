@@ -70,6 +70,15 @@ def paragraphs(markdown: str) -> str:
     return "\n".join(out)
 
 
+def escape_html(markdown: str) -> str:
+    """``<`` outside code spans as ``&lt;``: what the scripts wrote (``<locals>``, ``<= 1.05x``) is text."""
+    out = []
+    for line in markdown.splitlines():
+        parts = line.split("`")
+        out.append("`".join(p if i % 2 else p.replace("<", "&lt;") for i, p in enumerate(parts)))
+    return "\n".join(out)
+
+
 def _pct(value: float) -> str:
     return f"{value:.2%}"
 
@@ -108,7 +117,7 @@ def lm_table(folder: str) -> Callable[[Path], str]:
 def underflow_table(root: Path) -> str:
     """The table ``scripts/underflow_table.py`` wrote into ``results/underflow/underflow.json``."""
     data = json.loads((root / "results" / "underflow" / "underflow.json").read_text(encoding="utf-8"))
-    return paragraphs(demote(data["table_markdown"], 1))
+    return paragraphs(demote(escape_html(data["table_markdown"]), 1))
 
 
 #: ``scripts/attention_betas.py``'s output layer (the tied projection), left out of its means.
@@ -192,7 +201,7 @@ def bench(root: Path) -> str:
                     f"| {cpu} | {load_text} | {machine.get('torch', '?')} | {commit} "
                     f"| {machine.get('date', '?')} | `{command}` |",
                     "",
-                    paragraphs(demote(data["table_markdown"], 1)),
+                    paragraphs(demote(escape_html(data["table_markdown"]), 1)),
                 ]
             )
         )
