@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test test-full lint format demo bench tables figures reproduce-mini clean
+.PHONY: help setup test test-full lint format demo bench gpu-check tables figures reproduce-mini docs clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  %-14s %s\n", $$1, $$2}'
@@ -13,10 +13,14 @@ help: ## list the targets
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+	@# the torch and torchvision builds CI tests (from the machines' disk); the package itself takes torch>=2.13
+	$(PY) -m pip install --quiet torch==2.14.1 torchvision==0.29.1
 	$(PY) -m pip install --quiet -e '.[test]'
+	@# the docs extra (make docs) from PyPI; without it everything else still works and the site tests skip
+	$(PY) -m pip install --quiet -e '.[docs]' || echo "warning: the docs extra did not install; make docs needs it"
 	@touch $(STAMP)
 
-setup: $(STAMP) ## create .venv (Python 3.11) and install the dependencies
+setup: $(STAMP) ## create .venv (Python 3.11): torch 2.14.1, torchvision 0.29.1 and the dependencies
 
 test: setup ## run the test suite on the CPU (under 10 minutes on 2 cores)
 	$(PY) -m pytest -q -m "not slow" tests
@@ -35,8 +39,14 @@ format: setup ## ruff auto-format and fix
 demo: setup ## train ResNet-20 on digits under FP32 and every FP16 scaler; print the comparison table
 	$(PY) scripts/demo.py
 
-bench: setup ## step-time ratios (emulated FP16 / FP32, scalers / none, telemetry; the tiny GPT), dispatched ops per step
+bench: setup ## step-time ratios (emulated FP16 / FP32, scalers / none, telemetry; the tiny GPT), dispatched ops per step -> results/bench/bench.json, docs/performance.md
 	$(PY) scripts/bench.py
+	$(PY) scripts/render_docs.py stamp results/bench/bench.json --command "make bench"
+	$(PY) scripts/render_docs.py
+
+GPU_PYTHON ?= python3
+gpu-check: ## on a CUDA GPU, with that machine's own torch (nothing installed): CUDA tests, FP16/BF16 gradients, adaptive/dynamic step times -> results/gpu/<gpu>.json
+	$(GPU_PYTHON) scripts/gpu_check.py
 
 RUNS ?= results/sweeps
 tables: setup ## the paper's tables that have runs, and a summary of every sweep under RUNS (default results/sweeps) -> results/tables
@@ -48,5 +58,9 @@ figures: setup ## Figures 1a/1b/4a/4b, and underflow and loss-scale figures of e
 reproduce-mini: setup ## every experiment in reduced form on bundled data, then all tables and figures (3 seeds, ~1 h)
 	$(PY) scripts/reproduce_mini.py --out results/mini
 
+docs: setup ## build the documentation site into site/ offline, strict: a stale table, broken link or unresolved API reference fails
+	$(PY) scripts/render_docs.py --check
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
+
 clean: ## remove the virtual environment and caches
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache site

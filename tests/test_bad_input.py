@@ -15,7 +15,7 @@ process by replacing ``torch.save``; the earlier checkpoint must stay intact).
 
 Every row starts from a 2-iteration CPU run (``conftest.TINY``, where the row does not set the key), so a
 check that went missing makes the row fail fast: the run trains, exits 0 and writes ``metrics.json``.
-The README states how many rows there are; ``test_the_readme_counts_the_tables`` keeps the two equal.
+``docs/reliability.md`` describes these guarantees; the rows here are what holds them.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import contextlib
 import importlib.util
 import os
 import random
-import re
 import shutil
 import stat
 import subprocess
@@ -538,12 +537,9 @@ def _one_error_line(proc: subprocess.CompletedProcess[str], status: int) -> str:
 # --------------------------------------------------------------------------------------------- tests
 
 
-def test_the_readme_counts_the_tables() -> None:
-    """The README's count of bad-input cases is the number of rows here, not a number typed once."""
-    stated = re.search(r"`tests/test_bad_input.py` holds (\d+) such cases", (ROOT / "README.md").read_text())
-    assert stated, "README.md no longer states how many bad-input cases tests/test_bad_input.py holds"
-    assert int(stated.group(1)) == len(CLI_CASES) + len(VALUE_CASES) + len(FOLDER_CASES)
-    assert len(CLI_CASES) >= 8 and len(FOLDER_CASES) >= 7
+def test_the_tables_cover_every_kind_of_bad_input() -> None:
+    """Each table keeps its cases: a row lost in an edit would leave its check untested without failing."""
+    assert len(CLI_CASES) >= 8 and len(VALUE_CASES) >= 60 and len(FOLDER_CASES) >= 7
 
 
 @pytest.mark.parametrize(("overrides", "expected", "made_run_folder"), CLI_CASES)

@@ -1,4 +1,4 @@
-"""``scripts/lm_underflow.py`` (the README's transformer underflow table) at tiny settings: it runs, its table
+"""``scripts/lm_underflow.py`` (docs/language-models.md's table) at tiny settings: it runs, its table
 has a row per regime, gradient format and kind of layer and a column per scaler, and without scaling more
 of attention's and the MLP's input gradients underflow in FP16 at initialization than with the adaptive
 scaler."""
@@ -22,7 +22,7 @@ def lm_underflow():
 
 @pytest.fixture(scope="module")
 def tiny_run(lm_underflow, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
-    """Two FP32 training steps (the README's run: 400), the recipe's batch of 32 windows as in the README."""
+    """Two FP32 training steps (the documented run: 400), the recipe's batch of 32 windows, as documented."""
     out = tmp_path_factory.mktemp("lm_underflow")
     payload = lm_underflow.main(["--steps", "2", "--out", str(out)])
     return payload, out

@@ -1,4 +1,4 @@
-"""scripts/underflow_runs.py: the README's per-layer underflow table from finished runs' telemetry."""
+"""scripts/underflow_runs.py: the per-layer underflow of docs/reproducing.md from finished runs' telemetry."""
 
 from __future__ import annotations
 
