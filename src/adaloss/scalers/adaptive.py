@@ -167,14 +167,8 @@ class AdaptiveLossScaler(LossScaler):
         accum_upper_bound: float | str | None = "auto",
         product_betas: bool = True,
     ) -> None:
-        # what a copy is built from (``__getstate__``)
-        self._options = {
-            "device": device, "t_uf": t_uf, "update_every": update_every, "init_scale": init_scale,
-            "fmt": fmt.name if isinstance(fmt, FloatFormat) else fmt, "u_min": u_min, "u_max": u_max,
-            "allow_below_one": allow_below_one, "growth_interval": growth_interval, "enabled": enabled,
-            "rule": rule, "scale_upper_bound": scale_upper_bound, "accum_upper_bound": accum_upper_bound,
-            "product_betas": product_betas,
-        }  # fmt: skip
+        # the arguments, what a copy is built from (``__getstate__``)
+        self._options = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         t_uf = _number(t_uf, "scaler.t_uf")
         if not 0.0 < t_uf < 1.0:
             raise ConfigError(f"scaler.t_uf must lie strictly between 0 and 1 (e.g. 1e-3), got {t_uf}")
