@@ -76,7 +76,7 @@ def _kind(layer: str, suffix: str) -> bool:
 def dynamic_step(model: torch.nn.Module, precision: str, cfg: dict[str, Any], x, y) -> dict[str, Any]:  # noqa: ANN001
     """GradScaler's rule on these weights: from ``cfg``'s initial scale, multiplied by its backoff factor
     while the step's gradients are not finite; the first step that goes through, with its ``scale``."""
-    scale = float(cfg.get("init_scale", 2.0**16))
+    scale = float(cfg.get("init_scale") or 2.0**16)  # null in the config: GradScaler's start
     for _ in range(MAX_BACKOFFS):
         result = measure(model, precision, {**cfg, "init_scale": scale}, x, y, lm_loss)
         if result["grads_finite"]:

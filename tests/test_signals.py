@@ -152,8 +152,22 @@ def _cli(run_dir: Path, *overrides: str, step_sleep: float = 0.0) -> subprocess.
     start = slow_train_command(step_sleep) if step_sleep else [sys.executable, "train.py"]
     command = [*start, *overrides, f"hydra.run.dir={run_dir}"]
     return subprocess.Popen(
-        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        command,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=_default_signals,
     )
+
+
+def _default_signals() -> None:
+    """In the child: the signals' default actions, whatever this test process inherited (a test run started
+    in the background of a non-interactive shell ignores SIGINT, and ignored signals stay ignored across
+    ``exec``; the run then, rightly, installs no handler for it)."""
+    for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR2"):
+        signal.signal(getattr(signal, name), signal.SIG_DFL)
 
 
 def _rows(run_dir: Path) -> int:
