@@ -30,7 +30,7 @@ after warm-up steps. Amortized ratios combine two
 step kinds measured in the same round: telemetry at ``every=100`` is ``(t_tel + 99 t) / (100 t)`` and
 adaptive at ``update_every=100`` is ``(t_recompute + 99 t_reuse) / (100 t_dynamic)``; the recompute step is
 requested through the scaler's own "recompute on the next step" flag (the one an overflow sets), and each
-adaptive step's actual kind is read back from ``scaler.state.recompute``, so a natural recompute step is
+adaptive step's actual kind is read back from ``scaler.last_pass``, so a natural recompute step is
 never counted as a reuse step.
 
 Threads: one by default (``--threads 0`` keeps torch's default, ``--threads 2`` uses both cores). On a
@@ -395,9 +395,9 @@ class Runner:
             monitor.underflow_rates()
         dt = _CLOCK() - t0
         actual = kind
-        state = getattr(self.scaler, "state", None)
-        if kind != "telemetry" and state is not None and hasattr(state, "recompute"):
-            actual = "recompute" if state.recompute else "reuse"
+        last_pass = getattr(self.scaler, "last_pass", None)
+        if kind != "telemetry" and last_pass is not None:
+            actual = "recompute" if last_pass == "recompute" else "reuse"
         if self.scaler.last_step_skipped:
             actual += "+skipped"
         return actual, dt
@@ -975,7 +975,8 @@ def count_step_ops(name: str, batch: int, seed: int = 0) -> dict[str, Any]:
             counter = OpCounter()
             step(run, counter)
             state = getattr(scaler, "state", None)
-            if not scaler.last_step_skipped and getattr(state, "recompute", None) is kind.recompute:
+            recomputed = getattr(scaler, "last_pass", None) == "recompute"
+            if not scaler.last_step_skipped and (state is None or recomputed is kind.recompute):
                 out = counter.summary()
                 if state is not None:  # which scales were not 1 (a reuse step's op count depends on it)
                     host = state.host

@@ -80,9 +80,9 @@ def no_host_sync() -> Iterator[NoHostSync]:
             setattr(torch.Tensor, name, method)
 
 
-def trapped_steps(scaler, model, optimizer, precision, batches, loss_fn) -> list[tuple[bool, bool]]:
+def trapped_steps(scaler, model, optimizer, precision, batches, loss_fn) -> list[str | None]:
     """Training steps whose backward passes run inside :func:`no_host_sync`; per step, whether the
-    adaptive scaler recomputed its scales and whether it ran on host copies (``(recompute, host)``).
+    adaptive scaler recomputed its scales or reused them (``scaler.last_pass``).
     ``loss_fn(model, batch)`` computes the loss under ``precision.autocast()``."""
     kinds = []
     for batch in batches:
@@ -92,7 +92,7 @@ def trapped_steps(scaler, model, optimizer, precision, batches, loss_fn) -> list
         with no_host_sync() as mode:
             scaled.backward()
         assert mode.seen > 100, "the trap saw almost no ops: was the backward pass run inside it?"
-        kinds.append((scaler.state.recompute, scaler.state.host is not None))
+        kinds.append(scaler.last_pass)
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad()

@@ -39,8 +39,11 @@ def _close(a: list[torch.Tensor], b: list[torch.Tensor], tol: float = 1e-12) -> 
     )
 
 
-def _penalty_run(scaler: AdaptiveLossScaler | None, steps: int = 4) -> list[torch.Tensor]:
-    """GradScaler's gradient-penalty recipe (``torch.amp`` examples), or the same without scaling."""
+def _penalty_run(
+    scaler: AdaptiveLossScaler | None, steps: int = 4, passes: list | None = None
+) -> list[torch.Tensor]:
+    """GradScaler's gradient-penalty recipe (``torch.amp`` examples), or the same without scaling;
+    ``passes`` collects ``scaler.last_pass`` after each backward pass."""
     model = _model()
     model = scaler.attach(model) if scaler is not None else model
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -52,6 +55,8 @@ def _penalty_run(scaler: AdaptiveLossScaler | None, steps: int = 4) -> list[torc
             grads = torch.autograd.grad(loss, params, create_graph=True)
         else:
             grads = torch.autograd.grad(scaler.scale(loss), params, create_graph=True)
+            if passes is not None:
+                passes.append(scaler.last_pass)
             inv_scale = 1.0 / scaler.get_scale()
             grads = [g * inv_scale for g in grads]
         loss = loss + torch.stack([g.pow(2).sum() for g in grads]).sum().sqrt()
@@ -60,6 +65,8 @@ def _penalty_run(scaler: AdaptiveLossScaler | None, steps: int = 4) -> list[torc
             opt.step()
         else:
             scaler.scale(loss).backward()
+            if passes is not None:
+                passes.append(scaler.last_pass)
             scaler.step(opt)
             scaler.update()
     return [p.detach().clone() for p in model.parameters()]
@@ -71,9 +78,14 @@ def test_the_gradient_penalty_recipe_trains_as_without_scaling(update_every: int
     ``create_graph`` pass applies the root scale everywhere, and the weights match plain autograd."""
     reference = _penalty_run(None)
     scaler = AdaptiveLossScaler(update_every=update_every, init_scale=LOW_ROOT)
-    weights = _penalty_run(scaler)
+    assert scaler.last_pass is None  # no backward pass yet
+    passes: list = []
+    weights = _penalty_run(scaler, passes=passes)
     assert max(scaler.layer_betas().values()) > 1  # layer-wise scales took part in the first pass
     assert _close(weights, reference)
+    # the user-visible pass kinds: each step's first pass recomputes or reuses, the second is plain
+    first = ["recompute" if i % update_every == 0 else "reuse" for i in range(4)]
+    assert passes == [kind for f in first for kind in (f, "plain")]
 
 
 def _clip_run(scaler: AdaptiveLossScaler | None, unscale_first: bool, steps: int = 4) -> list[torch.Tensor]:

@@ -137,7 +137,7 @@ class GradSignature:
     two layers) has no scales, and reuse passes may go without them only while the same tensors need
     gradients (the traced graph is fixed, so then the same points are reached). The signature is the
     parameters' ``requires_grad`` flags and the forward's tensor inputs' flags. If it changed since the
-    last recompute, this asks the scaler to make this step a recompute step.
+    last recompute, this asks the scaler to make this step a recompute step (:class:`Reach`).
     Cost: one pass over the parameters' flags per forward pass with grad enabled (22 us for ResNet-110's
     329 tensors on the project's CPU, 0.003% of its step); no tensor data is read, no sync.
     """
@@ -151,11 +151,23 @@ class GradSignature:
             return None
         inputs = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
         sig = (tuple(p.requires_grad for p in self.params), tuple(t.requires_grad for t in inputs))
-        state = self.state
-        state.fwd_sig = sig
-        if state.reach_sig is not None and sig != state.reach_sig and state.has_unreached():
-            state.recompute_requested = True
+        reach = self.state.reach
+        reach.latest = sig
+        if reach.at_recompute is not None and sig != reach.at_recompute and self.state.has_unreached():
+            reach.requested = True
         return None
+
+
+@dataclass
+class Reach:
+    """Which tensors needed gradients (:class:`GradSignature`) in the latest forward pass with grad enabled
+    (``latest``) and in the forward pass of the last recompute (``at_recompute``; None: unknown). A point
+    no gradient reached in that pass will not be reached while the two are equal (a traced graph);
+    ``requested``: they differ and some point has no scales, so the scaler recomputes on this step."""
+
+    latest: tuple | None = None
+    at_recompute: tuple | None = None
+    requested: bool = False
 
 
 @dataclass
@@ -170,94 +182,130 @@ class HostScales:
     branch_factors: list[list[float] | None]
 
 
+@dataclass
+class Points:
+    """What :func:`adaloss.adaptive.transform.attach_adaptive` wired, fixed once attached: the scaling
+    points, the number of alpha slots (slot 0 is ``alpha_{N+1}``'s) and the GEMM layers' weights (their
+    devices and dtypes key Algorithm 4's constants, :class:`LayerConstants`)."""
+
+    gemms: list[GemmPoint] = field(default_factory=list)
+    branches: list[BranchPoint] = field(default_factory=list)
+    unscales: list[UnscalePoint] = field(default_factory=list)
+    num_slots: int = 1
+    gemm_weights: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class DeviceScales:
+    """What the last recompute pass computed, as 0-dim (``beta``, ``branch_alpha``) or 1-dim
+    (``branch_factors``: one per incoming gradient) device tensors, None where no gradient reached the
+    point; ``branch_rescaled[k]``: (incoming alphas, common alpha) of branch ``k``."""
+
+    beta: list[torch.Tensor | None] = field(default_factory=list)
+    branch_alpha: list[torch.Tensor | None] = field(default_factory=list)
+    branch_factors: list[torch.Tensor | None] = field(default_factory=list)
+    branch_rescaled: list[tuple[torch.Tensor, torch.Tensor] | None] = field(default_factory=list)
+
+
+#: The kinds of backward pass (:class:`BackwardPass`).
+PASS_KINDS = ("recompute", "reuse", "plain")
+
+
+@dataclass
+class BackwardPass:
+    """One backward pass: its kind, and the alphas its points emit.
+
+    ``kind``: ``recompute`` (Algorithms 4 and 5 run on device tensors; the alphas are 0-dim device
+    tensors), ``reuse`` (every point applies the last recompute's scales: as the Python floats in
+    ``floats`` when the host copies exist, else as the device tensors) or ``plain`` (every beta and branch
+    factor is 1, ``floats`` says so: every gradient carries ``alpha_{N+1}``). ``alpha[s]`` is the scale of
+    the gradient emitted into slot ``s``; ``fresh`` maps (branch, consumer) to an input gradient a GEMM
+    point made for that branch alone (the branch may add into it in place, see ``GemmPoint.feeds``).
+    """
+
+    kind: str = "recompute"
+    alpha: list[torch.Tensor | float | None] = field(default_factory=lambda: [None])
+    floats: HostScales | None = None
+    fresh: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    to_root: dict[int, torch.Tensor | float] = field(default_factory=dict)  # per slot, see ``root_over``
+
+    @property
+    def recompute(self) -> bool:
+        return self.kind == "recompute"
+
+
 class AdaptiveState:
-    """Per-model state of the adaptive scaler: the points, slots of alphas, and the scales of the last
-    recompute pass.
-
-    ``beta`` holds one 0-dim device tensor per GEMM point, ``branch_alpha``/``branch_factors`` one per
-    branch point: what the last recompute pass computed. ``host`` holds their host copies
-    (:class:`HostScales`) once fetched, None until then.
-
-    ``alpha[s]`` is the scale of the gradient emitted into slot ``s`` during the current backward pass. A
-    pass is of one of two kinds, ``recompute`` (True: Algorithms 4 and 5 run on device tensors, and the
-    alphas are 0-dim device tensors) or reuse (False: every point applies the scales of the last
-    recompute; with host copies every alpha is a Python float, else a device tensor). The same code runs
-    on every device: on the CPU, device tensors are CPU tensors.
+    """Per-model state of the adaptive scaler, in nine attributes: ``rule`` (:class:`ScaleRule`),
+    ``points`` (:class:`Points`, what the transform wired), ``constants`` (:class:`LayerConstants`,
+    Algorithm 4's per-layer constants), ``last`` (:class:`DeviceScales`, the last recompute's scales as
+    device tensors), ``host`` (their host copies, :class:`HostScales`, None until fetched), ``current``
+    (:class:`BackwardPass`: the pass kind and its alphas), ``reach`` (:class:`Reach`), ``graph_built``
+    (a backward pass of this iteration ran with ``create_graph=True``) and ``reduce_fn`` (combines
+    statistics over ranks under ``torch.distributed``, else None). The same code runs on every device: on
+    the CPU, device tensors are CPU tensors.
     """
 
     def __init__(self, rule: ScaleRule) -> None:
         self.rule = rule
-        self.gemms: list[GemmPoint] = []
-        self.branches: list[BranchPoint] = []
-        self.unscales: list[UnscalePoint] = []
-        # Set by the transform for the scaler: the GEMM weights (their devices and dtypes key Algorithm 4's
-        # constants).
-        self.gemm_weight_params: list[torch.Tensor] = []
-        self.alpha: list[torch.Tensor | float | None] = [None]
-        self.beta: list[torch.Tensor | None] = []
-        self.branch_alpha: list[torch.Tensor | None] = []
-        self.branch_factors: list[torch.Tensor | None] = []
-        # per branch point, (incoming alphas, common alpha) of the last recompute; see ``rescaled()``
-        self.branch_rescaled: list[tuple[torch.Tensor, torch.Tensor] | None] = []
-        self.host: HostScales | None = None
-        self.scales: HostScales | None = None  # the floats this pass applies (the host copies, or all 1)
-        self.graph_built = False  # a backward pass of this iteration ran with create_graph=True
-        self.recompute = True
-        self.reduce_fn: Any = None
+        self.points = Points()
         self.constants = LayerConstants(rule)
-        # input gradients made by GEMM points that feed a branch directly (see ``GemmPoint.feeds``)
-        self.fresh: dict[tuple[int, int], torch.Tensor] = {}
-        # Which tensors need gradients (parameters, then the forward's tensor inputs) in the latest forward
-        # pass with grad enabled, and in the forward pass of the last recompute (None: unknown). A point
-        # no gradient reached in that pass will not be reached while the two are equal (a traced graph).
-        self.fwd_sig: tuple | None = None
-        self.reach_sig: tuple | None = None
-        self.recompute_requested = False  # set by GradSignature: the scaler recomputes on this step
+        self.last = DeviceScales()
+        self.host: HostScales | None = None
+        self.current = BackwardPass()
+        self.reach = Reach()
+        self.graph_built = False
+        self.reduce_fn: Any = None
 
     @property
-    def num_slots(self) -> int:
-        return len(self.alpha)
+    def gemms(self) -> list[GemmPoint]:
+        return self.points.gemms
+
+    @property
+    def branches(self) -> list[BranchPoint]:
+        return self.points.branches
 
     @property
     def u_max(self) -> float:
         return self.rule.u_max
 
     def new_slot(self) -> int:
-        self.alpha.append(None)
-        return self.num_slots - 1
+        self.points.num_slots += 1
+        self.current.alpha.append(None)
+        return self.points.num_slots - 1
 
     def add_gemm(self, name: str, fan_in: int = 1, n_weights: int = 1, kind: str = "layer") -> GemmPoint:
-        point = GemmPoint(
-            len(self.gemms), name, fan_in, self.rule.layer_constants(n_weights, fan_in), kind=kind
-        )
+        gemms = self.points.gemms
+        point = GemmPoint(len(gemms), name, fan_in, self.rule.layer_constants(n_weights, fan_in), kind=kind)
         self.constants.add_point(point)
         point.out_slot = self.new_slot()
-        self.gemms.append(point)
-        self.beta.append(None)
+        gemms.append(point)
+        self.last.beta.append(None)
         return point
 
     def add_unscale(self, name: str) -> UnscalePoint:
-        point = UnscalePoint(len(self.unscales), name)
-        self.unscales.append(point)
+        point = UnscalePoint(len(self.points.unscales), name)
+        self.points.unscales.append(point)
         return point
 
     def add_branch(self, name: str) -> BranchPoint:
-        point = BranchPoint(len(self.branches), name)
+        point = BranchPoint(len(self.points.branches), name)
         point.out_slot = self.new_slot()
-        self.branches.append(point)
-        self.branch_alpha.append(None)
-        self.branch_factors.append(None)
-        self.branch_rescaled.append(None)
+        self.points.branches.append(point)
+        last = self.last
+        last.branch_alpha.append(None)
+        last.branch_factors.append(None)
+        last.branch_rescaled.append(None)
         return point
 
     def has_unreached(self) -> bool:
         """Whether some point has no scales (no gradient reached it in the last recompute pass)."""
-        return any(b is None for b in self.beta) or any(f is None for f in self.branch_factors)
+        return any(b is None for b in self.last.beta) or any(f is None for f in self.last.branch_factors)
 
     def start_backward(
         self, root_alpha: torch.Tensor, recompute: bool, root_host: float | None = None, plain: bool = False
     ) -> None:
-        """Called by ``scaler.scale(loss)``: reset the slots, choose the pass kind, set the root scale.
+        """Called by ``scaler.scale(loss)``: choose the pass kind (:class:`BackwardPass`), set the root
+        scale.
 
         ``recompute``: compute new betas in this backward pass (the host copies are dropped; the scaler
         fetches new ones after the step). Otherwise the existing scales are reused: as Python floats if
@@ -271,35 +319,49 @@ class AdaptiveState:
         (``create_graph=True``, GradScaler's gradient-penalty recipe): the gradients of the penalty reach
         the forward graph's activations at the root scale, where layer-wise alphas would not match them.
         """
-        self.alpha = [None] * self.num_slots
-        self.fresh = {}
+        points, reach = self.points, self.reach
+        alpha: list[torch.Tensor | float | None] = [None] * points.num_slots
         if plain:
-            self.recompute = False
-            self.scales = HostScales(
-                [1.0] * len(self.beta),
-                [float(root_host)] * len(self.branches),
-                [[1.0] * len(b.in_slots) for b in self.branches],
+            ones = HostScales(
+                [1.0] * len(points.gemms),
+                [float(root_host)] * len(points.branches),
+                [[1.0] * len(b.in_slots) for b in points.branches],
             )
-            self.alpha[0] = float(root_host)
+            alpha[0] = float(root_host)
+            self.current = BackwardPass("plain", alpha, ones)
             return
         missing = self.has_unreached()
         # Points the last recompute pass did not reach may stay without scales while nothing else changed
         # (GradSignature); with no such pass on record, every point needs its scales first.
-        if recompute or (missing and (self.reach_sig is None or self.fwd_sig != self.reach_sig)):
-            self.recompute = True
-            self.host = self.scales = None
-            self.reach_sig = self.fwd_sig
-        else:
-            self.recompute = False
-            self.constants.forget_weights()  # no statistics needed: drop the references
-            self.scales = self.host if root_host is not None else None
-        self.alpha[0] = float(root_host) if self.scales is not None else root_alpha
+        if recompute or (missing and (reach.at_recompute is None or reach.latest != reach.at_recompute)):
+            self.host = None
+            reach.at_recompute = reach.latest
+            alpha[0] = root_alpha
+            self.current = BackwardPass("recompute", alpha)
+            return
+        self.constants.forget_weights()  # no statistics needed: drop the references
+        floats = self.host if root_host is not None else None
+        alpha[0] = float(root_host) if floats is not None else root_alpha
+        self.current = BackwardPass("reuse", alpha, floats)
+
+    def point_beta(self, k: int, compute: Any) -> torch.Tensor | float:
+        """GEMM point ``k``'s beta in this pass: ``compute()`` (Algorithm 4) on a recompute pass or where no
+        recompute has reached the point yet (kept as the last recompute's), else the last recompute's, as a
+        float when this pass has them (:class:`BackwardPass`)."""
+        current, last = self.current, self.last
+        if current.recompute or (current.floats is None and last.beta[k] is None):
+            beta = compute()
+            last.beta[k] = beta
+            return beta
+        if current.floats is not None:
+            return current.floats.beta[k]
+        return last.beta[k]
 
     def read_alpha(self, slot: int, where: str) -> torch.Tensor | float:
         """The alpha of slot ``slot`` in this pass; notes a pass that builds a graph (``create_graph``)."""
         if torch.is_grad_enabled():
             self.graph_built = True
-        a = self.alpha[slot]
+        a = self.current.alpha[slot]
         if a is None:
             raise RuntimeError(
                 f"adaptive loss scaling: no scale reached {where}; call scaler.scale(loss).backward() rather "
@@ -307,36 +369,53 @@ class AdaptiveState:
             )
         return a
 
-    def root_over(self, alpha: torch.Tensor | float) -> torch.Tensor | float:
-        """``alpha_{N+1} / alpha``: what brings a gradient carrying ``alpha`` to the root scale, as every
-        parameter gradient leaves the backward pass (exact: both are powers of two)."""
-        root = self.alpha[0]
-        if isinstance(root, float) and isinstance(alpha, float):
-            return root / alpha
-        return torch.as_tensor(root).to(alpha.device if isinstance(alpha, torch.Tensor) else None) / alpha
+    def root_over(self, slot: int, where: str) -> torch.Tensor | float:
+        """``alpha_{N+1} / alpha``, with ``alpha`` the scale of slot ``slot``: what brings a gradient
+        carrying ``alpha`` to the root scale, as every parameter gradient leaves the backward pass (exact:
+        both are powers of two). Computed once per slot and pass (a layer's weight and the batch norm
+        after it share their slot)."""
+        cache = self.current.to_root
+        factor = cache.get(slot)
+        if factor is None:
+            alpha, root = self.read_alpha(slot, where), self.current.alpha[0]
+            if isinstance(root, float) and isinstance(alpha, float):
+                factor = root / alpha
+            else:
+                device = alpha.device if isinstance(alpha, torch.Tensor) else None
+                factor = torch.as_tensor(root).to(device) / alpha
+            cache[slot] = factor
+        return factor
 
     def fetch_host(self) -> None:
         """Copy the last recompute's betas, branch alphas and branch factors to the host: one host-device
         sync for all of them (the scaler calls this after a recompute step with ``update_every > 1``)."""
-        values = [b for b in self.beta if b is not None]
-        values += [f for f in self.branch_factors if f is not None]
-        values += [a for a in self.branch_alpha if a is not None]
-        if not values:
-            self.host = HostScales([1.0] * len(self.beta), [], [])
+        last = self.last
+        scalars = [b for b in last.beta if b is not None] + [a for a in last.branch_alpha if a is not None]
+        vectors = [f for f in last.branch_factors if f is not None]
+        if not scalars and not vectors:
+            self.host = HostScales([1.0] * len(last.beta), [], [])
             return
-        device = values[0].device
-        flat = torch.cat([v.float().reshape(-1).to(device) for v in values]).cpu().tolist()  # the one sync
-        it = iter(flat)
-        beta = [next(it) if b is not None else 1.0 for b in self.beta]
+        if len({v.device for v in scalars + vectors}) > 1:  # a model spread over devices
+            device = (scalars + vectors)[0].device
+            scalars, vectors = [v.to(device) for v in scalars], [v.to(device) for v in vectors]
+        # a few ops for all of them (one view per 0-dim tensor would be dozens): stack, cat, one copy
+        parts = [torch.stack(scalars).float()] if scalars else []
+        parts += [torch.cat(vectors).float()] if vectors else []
+        flat = (torch.cat(parts) if len(parts) > 1 else parts[0]).cpu().tolist()
+        n_beta = sum(b is not None for b in last.beta)
+        betas, alphas = iter(flat[:n_beta]), iter(flat[n_beta : len(scalars)])
+        factors_it = iter(flat[len(scalars) :])
+        beta = [next(betas) if b is not None else 1.0 for b in last.beta]
         factors = [
-            [next(it) for _ in range(f.numel())] if f is not None else None for f in self.branch_factors
+            [next(factors_it) for _ in range(f.numel())] if f is not None else None
+            for f in last.branch_factors
         ]
-        alphas = [next(it) if a is not None else None for a in self.branch_alpha]
-        self.host = HostScales(beta, alphas, factors)
+        branch_alpha = [next(alphas) if a is not None else None for a in last.branch_alpha]
+        self.host = HostScales(beta, branch_alpha, factors)
 
     def rescaled(self, index: int) -> torch.Tensor | None:
         """Whether branch ``index``'s incoming gradients had different alphas at the last recompute."""
-        entry = self.branch_rescaled[index]
+        entry = self.last.branch_rescaled[index]
         if entry is None:
             return None
         alphas, common = entry
@@ -427,7 +506,7 @@ class LayerConstants:
 
     def factors_for(self, index: int) -> torch.Tensor | None:
         """Point ``index``'s weight factors for Algorithm 4, computed for every recorded point at once on
-        the first call of a recompute pass, per (device, dtype) group: two ``_foreach_norm`` calls and three
+        the first call of a recompute pass, per (device, dtype) group: three ``_foreach`` calls and a few
         vector ops. ``None`` if the point's forward was not recorded (then use :meth:`layer_factors`)."""
         if self._factors is None:
             self._factors = [None] * len(self.fwd_weight)
@@ -542,15 +621,9 @@ class ScaledGEMM(torch.autograd.Function):
             ctx.probe.record(delta)
         if delta.dtype != w.dtype:
             delta = delta.to(w.dtype)
-        if state.recompute or (state.scales is None and state.beta[k] is None):
-            beta = gemm_beta(state, k, w, delta, alpha_j)
-            state.beta[k] = beta
-        elif state.scales is not None:  # a reuse pass with host copies: plain floats
-            beta = state.scales.beta[k]
-        else:
-            beta = state.beta[k]
-        state.alpha[point.out_slot] = alpha_j * beta
-        return ScaledGEMM._gradients(ctx, delta, x, w, state.root_over(alpha_j), beta)
+        beta = state.point_beta(k, lambda: gemm_beta(state, k, w, delta, alpha_j))
+        state.current.alpha[point.out_slot] = alpha_j * beta
+        return ScaledGEMM._gradients(ctx, delta, x, w, state.root_over(point.in_slot, point.name), beta)
 
     @staticmethod
     def _gradients(ctx, delta, x, w, to_root, beta):
@@ -591,7 +664,7 @@ class ScaledGEMM(torch.autograd.Function):
             if grad_x.dtype is not ctx.x_dtype:
                 grad_x = grad_x.to(ctx.x_dtype)
             if point.feeds is not None:
-                state.fresh[point.feeds] = grad_x
+                state.current.fresh[point.feeds] = grad_x
         if need_w:
             grad_w = _to_root(grad_w, grad_fmt, ctx.w_dtype, to_root)
             if grad_b is not None:
@@ -692,7 +765,7 @@ class ParamUnscale(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         state = ctx.state
-        factor = state.root_over(state.read_alpha(ctx.point.in_slot, ctx.point.name))
+        factor = state.root_over(ctx.point.in_slot, ctx.point.name)
         with torch._C.DisableTorchFunction():
             if not _is_one(factor):
                 grad = grad * (factor if isinstance(factor, float) else factor.to(grad.dtype))
@@ -899,15 +972,11 @@ class ScaledProduct(torch.autograd.Function):
             point, state, operands = ctx.point, ctx.state, ctx.operands
             k = point.index
             alpha = state.read_alpha(point.in_slot, point.name)
-            if state.recompute or (state.scales is None and state.beta[k] is None):
-                beta = product_beta(operands.pairs(delta), state.rule, alpha, state.reduce_fn)
-                state.beta[k] = beta
-            elif state.scales is not None:
-                beta = state.scales.beta[k]
-            else:
-                beta = state.beta[k]
+            beta = state.point_beta(
+                k, lambda: product_beta(operands.pairs(delta), state.rule, alpha, state.reduce_fn)
+            )
             ctx.operands = None
-            state.alpha[point.out_slot] = alpha * beta
+            state.current.alpha[point.out_slot] = alpha * beta
             operands.record(delta, beta)
             if isinstance(beta, float):
                 return (delta if beta == 1.0 else delta * beta), None, None, None, None
@@ -958,20 +1027,22 @@ class Rescale(torch.autograd.Function):
             return (None, None, *grads)
         if torch.is_grad_enabled():
             state.graph_built = True
-        if state.scales is not None and not state.recompute:  # reuse pass with host copies: floats
-            common, host = state.scales.branch_alpha[k], state.scales.branch_factors[k]
+        floats = state.current.floats
+        if floats is not None:  # reuse pass with host copies, or a plain pass: floats
+            common, host = floats.branch_alpha[k], floats.branch_factors[k]
             if host is None:
                 raise unplanned_point(point.name)
             factors: list[Any] = [host[i] for i in present]
         else:
             common, vec = branch_scales(state, point, grads, present)
             factors = list(vec.unbind(0))
-        state.alpha[point.out_slot] = common
+        state.current.alpha[point.out_slot] = common
         # A gradient made by a GEMM point feeding this branch directly is ours to write into.
         owned = None
-        if state.fresh:
+        fresh = state.current.fresh
+        if fresh:
             for i in range(len(grads)):
-                t = state.fresh.pop((k, i), None)
+                t = fresh.pop((k, i), None)
                 if owned is None and t is not None and t is grads[i]:
                     owned = i
         factor = dict(zip(present, factors, strict=True))
@@ -1009,11 +1080,12 @@ def branch_scales(
     Algorithm 5 (:func:`adaloss.adaptive.rules.branch_loss_scale`) on a recompute pass (or where no
     scales exist yet), the last recompute's otherwise. No host sync."""
     k = point.index
-    if not (state.recompute or state.branch_factors[k] is None):
-        vec = state.branch_factors[k]
+    last = state.last
+    if not (state.current.recompute or last.branch_factors[k] is None):
+        vec = last.branch_factors[k]
         if len(present) != len(grads):
             vec = torch.stack([vec[i] for i in present])
-        return state.branch_alpha[k], vec
+        return last.branch_alpha[k], vec
     alphas = [state.read_alpha(point.in_slots[i], point.name) for i in present]
     a = torch.stack([torch.as_tensor(x).float().reshape(()) for x in alphas])
     m = torch.stack([max_magnitude(grads[i]) for i in present]).float()  # one reduction per input
@@ -1021,15 +1093,15 @@ def branch_scales(
         m = state.reduce_fn(None, m)[1]
     common = branch_loss_scale(a, m, state.u_max, state.rule.name)
     vec = common / a
-    state.branch_alpha[k] = common
-    state.branch_rescaled[k] = (a, common)
+    last.branch_alpha[k] = common
+    last.branch_rescaled[k] = (a, common)
     if len(present) == len(grads):
-        state.branch_factors[k] = vec
+        last.branch_factors[k] = vec
     else:  # element by element: indexing with a list would copy host data to the device
         full = torch.ones(len(grads), dtype=vec.dtype, device=vec.device)
         for i, v in zip(present, vec.unbind(0), strict=True):
             full[i] = v
-        state.branch_factors[k] = full
+        last.branch_factors[k] = full
     return common, vec
 
 

@@ -372,7 +372,7 @@ def attach_adaptive(model: nn.Module, state: AdaptiveState, product_betas: bool 
     rewrite.writable_copies()
     rewrite.slots()
     rewrite.fed_branches()
-    state.gemm_weight_params = list(rewrite.weight_params.values())
+    state.points.gemm_weights = list(rewrite.weight_params.values())
     gm = rewrite.gm
     gm.graph.lint()
     gm.recompile()

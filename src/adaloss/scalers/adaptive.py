@@ -306,7 +306,7 @@ class AdaptiveLossScaler(LossScaler):
             state.reduce_fn = _StatisticsReducer(torch.distributed.new_group())
         gm = attach_adaptive(model, state, self.product_betas)
         self.state = state
-        self._gemm_weights = list(state.gemm_weight_params)
+        self._gemm_weights = list(state.points.gemm_weights)
         # Which tensors need gradients, per forward pass: lets reuse steps skip points no gradient reaches
         # (frozen layers) instead of recomputing every step (see AdaptiveState.start_backward).
         gm.register_forward_pre_hook(GradSignature(state, list(gm.parameters())), with_kwargs=True)
@@ -337,10 +337,10 @@ class AdaptiveLossScaler(LossScaler):
         if not self._scaled_this_iteration:
             self._recomputing = (
                 self._force_recompute
-                or self.state.recompute_requested
+                or self.state.reach.requested
                 or self._iteration % self.update_every == 0
             )
-            self.state.recompute_requested = False
+            self.state.reach.requested = False
             self._scaled_this_iteration = True
             recompute = self._recomputing
         else:
@@ -358,6 +358,17 @@ class AdaptiveLossScaler(LossScaler):
         """Recompute the betas on the next step, as after an overflow (for instance after changing the
         weights by hand, or to time a recompute step). No host sync."""
         self._force_recompute = True
+
+    @property
+    def last_pass(self) -> str | None:
+        """What the last backward pass did with the layer-wise scales: ``"recompute"`` (Algorithms 4 and 5
+        computed new betas and branch factors), ``"reuse"`` (the last recompute's were applied, as on the
+        ``update_every - 1`` steps between recomputes), ``"plain"`` (every beta 1: a pass after one that
+        built a graph, GradScaler's gradient-penalty recipe), or None before the first backward pass or
+        without a model attached. Host-side; no sync."""
+        if self.state is None or not self._has_scaled:
+            return None
+        return self.state.current.kind
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Finish the iteration: count it, and decide what the next one does (see the class docstring).
@@ -474,10 +485,10 @@ class AdaptiveLossScaler(LossScaler):
         entries = []  # (name, kind, value)
         host_betas = state.host.beta if state.host is not None else None  # fetched copies: no sync
         for point in state.gemms:
-            beta = state.beta[point.index]
+            beta = state.last.beta[point.index]
             if beta is not None and host_betas is not None:
                 beta = host_betas[point.index]
-            for kind, value in (("alpha", state.alpha[point.in_slot]), ("beta", beta)):
+            for kind, value in (("alpha", state.current.alpha[point.in_slot]), ("beta", beta)):
                 if value is not None:
                     entries.append((point.name, kind, value))
         tensors = [v.float().reshape(()) for _, _, v in entries if isinstance(v, torch.Tensor)]
@@ -526,10 +537,10 @@ class AdaptiveLossScaler(LossScaler):
             return None if t is None else t.float().reshape(-1).cpu().tolist()
 
         extra["layers"] = [p.name for p in state.gemms]
-        extra["betas"] = [None if b is None else host(b)[0] for b in state.beta]
+        extra["betas"] = [None if b is None else host(b)[0] for b in state.last.beta]
         extra["branches"] = [p.name for p in state.branches]
-        extra["branch_alphas"] = [None if a is None else host(a)[0] for a in state.branch_alpha]
-        extra["branch_factors"] = [host(f) for f in state.branch_factors]
+        extra["branch_alphas"] = [None if a is None else host(a)[0] for a in state.last.branch_alpha]
+        extra["branch_factors"] = [host(f) for f in state.last.branch_factors]
         extra["beta_host"] = state.host.beta if state.host is not None else None
         extra["branch_factors_host"] = state.host.branch_factors if state.host is not None else None
         return extra
@@ -567,9 +578,10 @@ class AdaptiveLossScaler(LossScaler):
         def dev(v):
             return None if v is None else torch.tensor(v, dtype=torch.float32, device=device)
 
-        state.beta = [None if b is None else dev(b).reshape(()) for b in saved["betas"]]
-        state.branch_alpha = [None if a is None else dev(a).reshape(()) for a in saved["branch_alphas"]]
-        state.branch_factors = [dev(f) for f in saved["branch_factors"]]
+        last = state.last
+        last.beta = [None if b is None else dev(b).reshape(()) for b in saved["betas"]]
+        last.branch_alpha = [None if a is None else dev(a).reshape(()) for a in saved["branch_alphas"]]
+        last.branch_factors = [dev(f) for f in saved["branch_factors"]]
         # The host branch alphas are the device ones, which the checkpoint holds as floats.
         state.host = None
         if saved["beta_host"] is not None:
@@ -578,7 +590,7 @@ class AdaptiveLossScaler(LossScaler):
             )
         # Points without scales in the checkpoint are fine only under the requires_grad flags they were
         # computed with, which the checkpoint does not hold: a partial state recomputes once.
-        state.reach_sig = None
+        state.reach.at_recompute = None
 
 
 def _fixed_factor(value: Any, fixed: float, kind: str, verb: str) -> None:
