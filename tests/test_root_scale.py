@@ -249,3 +249,53 @@ def test_the_config_key_builds_each_root_and_rejects_others():
     with pytest.raises(ConfigError, match=r"scaler.root must be one of fixed, dynamic, adaptive"):
         build_scaler(OmegaConf.create({"name": "adaptive", "root": "auto"}), None)
     assert OmegaConf.load("configs/scaler/adaptive.yaml").root == "fixed"
+
+
+# ----------------------------------------------------------------------------------------- DDP
+
+
+def _ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    import os
+
+    torch.set_num_threads(1)
+    os.environ.update(
+        {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+         "MASTER_PORT": str(port)}
+    )  # fmt: skip
+    from adaloss.distributed import DistInfo, destroy, init_distributed, wrap_model
+
+    init_distributed(device="cpu", timeout_s=60)
+    try:
+        torch.manual_seed(0)
+        scaler = AdaptiveLossScaler(update_every=2, root="adaptive")
+        model = wrap_model(scaler.attach(_Head()), DistInfo(rank, world, rank, torch.device("cpu")))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scales = []
+        for step in range(4):
+            x = torch.randn(6, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+            # the ranks' loss gradients differ by 2**8: the root must follow both, alike
+            _step(scaler, model, opt, x, torch.full((6, 4), 2.0 ** (-30 - 8 * rank)))
+            scales.append(scaler.get_scale())
+        weights = [p.detach().clone() for p in model.module.parameters()]
+        torch.save({"scales": scales, "weights": weights}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        destroy()
+
+
+def test_adaptive_root_is_the_same_on_every_ddp_rank(tmp_path):
+    """Two gloo ranks whose loss gradients differ: the measurement is combined over the ranks, so both set
+    the same alpha_{N+1} (the smaller rank's elements decide it) and keep identical weights."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_ddp_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    assert ranks[0]["scales"] == ranks[1]["scales"]
+    # half the elements at 2**-38 (rank 1): lifting them to 2**-24 takes 2**15, capped at 1024
+    assert ranks[0]["scales"][0] == 1024.0
+    for a, b in zip(ranks[0]["weights"], ranks[1]["weights"], strict=True):
+        assert torch.equal(a, b)

@@ -70,10 +70,33 @@ class AdaptiveLossScaler(LossScaler):
 
     When the betas are computed: on the first step, then every ``update_every`` steps, and on the step after
     an overflow. In between, each layer reuses its beta (the paper uses 100 to cut the statistics' cost from
-    27% to 0.27% of training time). If a recomputed step overflows again, the initial scale
-    ``alpha_{N+1}`` is halved; after ``growth_interval`` clean steps it doubles back, never above
-    ``init_scale``. After each recompute step (with ``update_every > 1``) the betas, branch factors and
-    branch alphas are copied to the host in one sync, and the steps in between run on those floats (see
+    27% to 0.27% of training time).
+
+    The root scale ``alpha_{N+1}`` (``get_scale()``, what the loss is multiplied by), by ``root``:
+
+    * ``"fixed"`` (default; the paper and the authors' scripts, where it is 1): ``init_scale``. If a
+      recomputed step overflows again it is halved; after ``growth_interval`` clean steps it doubles back,
+      never above ``init_scale``.
+    * ``"dynamic"``: GradScaler's rule, shared with ``DynamicLossScaler(rule="torch")``
+      (:func:`adaloss.scalers.dynamic.backed_off`, :func:`~adaloss.scalers.dynamic.grown`): from
+      ``init_scale`` (GradScaler starts at 2**16), halved on every overflow (the step is skipped), doubled
+      after ``growth_interval`` clean steps, with no ceiling (a growth past float32 is dropped); the
+      layer-wise betas on top.
+    * ``"adaptive"``: Algorithm 4 applied to the loss gradient itself (:meth:`root_target`): the loss
+      gradient is measured where it enters the model (a forward hook passes every output through an
+      identity node that counts its gradient's elements by binade and takes its largest magnitude, on the
+      device), on the first iteration and on the iteration before each scheduled recompute; ``update()``
+      reads the measurement (one host sync, after ``step()``'s) and sets the ceiling of ``alpha_{N+1}`` to
+      the smallest power of two that leaves at most ``t_uf`` of it below ``u_min``, under its overflow
+      bound and ``accum_upper_bound``. Overflows back off as under ``fixed``, below that ceiling. Under
+      DDP the counts are summed and the maxima taken over the ranks (two collectives on the scaler's own
+      group, in ``update()``), so every rank sets the same ``alpha_{N+1}``. Without a model attached
+      there is nothing to measure: ``alpha_{N+1}`` stays as under ``fixed``.
+
+    A change of ``alpha_{N+1}`` recomputes the betas on the next step.
+
+    After each recompute step (with ``update_every > 1``) the betas, branch factors and branch alphas
+    are copied to the host in one sync, and the steps in between run on those floats (see
     :mod:`adaloss.adaptive.ops`). The same code runs on every device: on the CPU, in the emulation, the
     code a GPU runs. Under gradient accumulation every
     ``scale()`` of one iteration uses the betas of its first backward pass. Layers and branch points that no
@@ -120,7 +143,8 @@ class AdaptiveLossScaler(LossScaler):
     stays a power of two, so every gradient unscales exactly (their setters accept only those values).
     Host-device syncs: ``scale``, ``unscale_``, ``recompute_next``, the getters and setters: none;
     ``step``: one (the Inf/NaN flag); ``update``: one on a step that recomputed the scales (with
-    ``update_every > 1``), else none; ``layer_scales``/``layer_betas``: one (none right after a reuse step);
+    ``update_every > 1``), one more on a step that measured the loss gradient (``root="adaptive"``), else
+    none; ``layer_scales``/``layer_betas``: one (none right after a reuse step);
     ``branch_rescaled``: one per branch point; ``state_dict``: one per per-layer device tensor.
 
     Args:
@@ -147,8 +171,11 @@ class AdaptiveLossScaler(LossScaler):
             gradient is already large (the text keeps ``beta >= 1``: a layer never has less scale than the
             layers after it). The ``reference`` rule lets beta fall below 1 through its bounds alone, so
             this must stay False there.
-        growth_interval (int, optional, default=2000): clean steps before a lowered ``alpha_{N+1}`` doubles.
+        growth_interval (int, optional, default=2000): clean steps before a lowered ``alpha_{N+1}`` doubles
+            (``root="dynamic"``: before it doubles, lowered or not).
         enabled (bool, optional, default=True): ``False`` makes every method a passthrough.
+        root (str, optional, default="fixed"): how ``alpha_{N+1}`` is chosen: ``"fixed"``, ``"dynamic"``
+            or ``"adaptive"`` (above).
         product_betas (bool, optional, default=True): give activation-by-activation products (``matmul``,
             ``bmm``, ``@``) and attention calls (``F.scaled_dot_product_attention``,
             ``nn.MultiheadAttention``) a beta of their own, Algorithm 4 with the other operand in the
@@ -407,7 +434,8 @@ class AdaptiveLossScaler(LossScaler):
     # ------------------------------------------------------------------ GradScaler's growth and backoff
 
     def get_growth_interval(self) -> int:
-        """Clean steps after which a lowered ``alpha_{N+1}`` doubles (never above ``init_scale``). No sync."""
+        """Clean steps after which a lowered ``alpha_{N+1}`` doubles (never above its ceiling; under
+        ``root="dynamic"`` it doubles, lowered or not). No sync."""
         return self.growth_interval
 
     def set_growth_interval(self, new_interval: int) -> None:
@@ -425,7 +453,7 @@ class AdaptiveLossScaler(LossScaler):
 
     def get_backoff_factor(self) -> float:
         """0.5: ``alpha_{N+1}`` halves after two overflowing steps in a row (the first one only recomputes
-        the betas). No sync."""
+        the betas; ``root="dynamic"``: on every overflow). No sync."""
         return _ALPHA_BACKOFF
 
     def set_backoff_factor(self, new_factor: float) -> None:
