@@ -238,11 +238,7 @@ class AdaptiveLossScaler(LossScaler):
         if not isinstance(product_betas, bool):
             raise ConfigError(f"scaler.product_betas must be true or false, got {product_betas!r}")
         self.product_betas = product_betas
-        if not isinstance(root, str) or root.strip().lower() not in ROOTS:
-            raise ConfigError(
-                f"scaler.root must be one of {', '.join(ROOTS)}, got {root!r}; e.g. scaler.root=fixed"
-            )
-        self.root = root.strip().lower()
+        self.root = _root_name(root)
         self.t_uf = t_uf
         self.update_every = update_every
         self.allow_below_one = allow_below_one
@@ -267,11 +263,9 @@ class AdaptiveLossScaler(LossScaler):
         self._pending: dict[str, Any] | None = None
         self._gemm_weights: list[torch.Tensor] = []
         self._scales_cache: tuple[dict[str, float], dict[str, float]] | None = None
-        # root="adaptive": whether this iteration's backward pass measures the loss gradient, and what it
-        # measured (a device tensor [sum of squares, elements, max magnitude], at the root scale)
-        self._measure_root = False
-        self._root_stats: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._root_at = self._loss_scale  # alpha_{N+1} of the measured backward pass
+        # root="adaptive": whether this iteration measures the loss gradient, what it measured (binade
+        # counts and max magnitude, on the device) and the alpha_{N+1} it was measured at
+        self._measure_root, self._root_stats, self._root_at = False, None, self._loss_scale
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any], fmt: FloatFormat | None) -> AdaptiveLossScaler:
@@ -792,6 +786,16 @@ class _LossGradientHook:
         if isinstance(value, dict):
             return {k: self._wrap(v) for k, v in value.items()}
         return value
+
+
+def _root_name(root: Any) -> str:
+    """Parse ``root`` (``scaler.root``); ConfigError for anything but one of :data:`ROOTS`."""
+    name = root.strip().lower() if isinstance(root, str) else None
+    if name not in ROOTS:
+        raise ConfigError(
+            f"scaler.root must be one of {', '.join(ROOTS)}, got {root!r}; e.g. scaler.root=fixed"
+        )
+    return name
 
 
 def _first_tensor(value: Any) -> torch.Tensor:
