@@ -550,7 +550,7 @@ class AdaptiveLossScaler(LossScaler):
           fall below ``u_min`` (rounded to the nearest power of two), Equation 1's condition ``P(alpha |g|
           <= u) <= T_uf`` on the measured distribution: a layer's ``p`` is a product inside its GEMM,
           which the paper models as normal; the loss gradient is there to be counted (a softmax's is far
-          from normal: the normal model with its root mean square asks for 1 where most of it underflows).
+          from normal: its many small elements spread over many binades).
         * Overflow bound ``u_max / peak``; the two combined and rounded down to a power of two as
           ``scaler.rule`` combines a layer's, under the accumulation cap (``accum_upper_bound``:
           ``alpha_{N+1}`` is the accumulated scale of the output layers' gradients; the per-layer cap does
