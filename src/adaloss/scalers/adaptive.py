@@ -10,16 +10,25 @@ import torch
 from torch import nn
 
 from adaloss.adaptive.ops import AdaptiveState, GradSignature, HostScales
-from adaloss.adaptive.rules import REFERENCE_FP16_U_MIN, RULES, ScaleRule
+from adaloss.adaptive.rules import NO_BOUND, REFERENCE_FP16_U_MIN, RULES, ScaleRule
 from adaloss.adaptive.transform import attach_adaptive
 from adaloss.errors import ConfigError
+from adaloss.numerics.emulation import is_low_precision, mark_low_precision
 from adaloss.numerics.formats import FloatFormat, get_format
 from adaloss.scalers.base import LossScaler, distributed_world_size
+from adaloss.scalers.dynamic import backed_off, grown
 
-__all__ = ["AdaptiveLossScaler"]
+__all__ = ["ROOTS", "AdaptiveLossScaler"]
 
 # How alpha_{N+1} regrows and backs off: powers of two, so that every gradient unscales exactly.
 _ALPHA_GROWTH, _ALPHA_BACKOFF = 2.0, 0.5
+#: The smallest alpha_{N+1} a backoff reaches (FP16's smallest subnormal).
+_ROOT_FLOOR = 2.0**-24
+#: The loss gradient's binade histogram (root="adaptive"): bin ``e + _BIN_OFFSET`` counts the elements
+#: ``|g| = m 2**e`` (float32's exponents lie in [-148, 128]); the last bin takes the zeros.
+_BINS, _BIN_OFFSET = 300, 160
+#: The values of ``root`` (``scaler.root``): how alpha_{N+1}, the scale of the loss gradient, is chosen.
+ROOTS = ("fixed", "dynamic", "adaptive")
 
 
 class AdaptiveLossScaler(LossScaler):
@@ -61,10 +70,33 @@ class AdaptiveLossScaler(LossScaler):
 
     When the betas are computed: on the first step, then every ``update_every`` steps, and on the step after
     an overflow. In between, each layer reuses its beta (the paper uses 100 to cut the statistics' cost from
-    27% to 0.27% of training time). If a recomputed step overflows again, the initial scale
-    ``alpha_{N+1}`` is halved; after ``growth_interval`` clean steps it doubles back, never above
-    ``init_scale``. After each recompute step (with ``update_every > 1``) the betas, branch factors and
-    branch alphas are copied to the host in one sync, and the steps in between run on those floats (see
+    27% to 0.27% of training time).
+
+    The root scale ``alpha_{N+1}`` (``get_scale()``, what the loss is multiplied by), by ``root``:
+
+    * ``"fixed"`` (default; the paper and the authors' scripts, where it is 1): ``init_scale``. If a
+      recomputed step overflows again it is halved; after ``growth_interval`` clean steps it doubles back,
+      never above ``init_scale``.
+    * ``"dynamic"``: GradScaler's rule, shared with ``DynamicLossScaler(rule="torch")``
+      (:func:`adaloss.scalers.dynamic.backed_off`, :func:`~adaloss.scalers.dynamic.grown`): from
+      ``init_scale`` (GradScaler starts at 2**16), halved on every overflow (the step is skipped), doubled
+      after ``growth_interval`` clean steps, with no ceiling (a growth past float32 is dropped); the
+      layer-wise betas on top.
+    * ``"adaptive"``: Algorithm 4 applied to the loss gradient itself (:meth:`root_target`): the loss
+      gradient is measured where it enters the model (a forward hook passes every output through an
+      identity node that counts its gradient's elements by binade and takes its largest magnitude, on the
+      device), on the first iteration and on the iteration before each scheduled recompute; ``update()``
+      reads the measurement (one host sync, after ``step()``'s) and sets the ceiling of ``alpha_{N+1}`` to
+      the smallest power of two that leaves at most ``t_uf`` of it below ``u_min``, under its overflow
+      bound and ``accum_upper_bound``. Overflows back off as under ``fixed``, below that ceiling. Under
+      DDP the counts are summed and the maxima taken over the ranks (two collectives on the scaler's own
+      group, in ``update()``), so every rank sets the same ``alpha_{N+1}``. Without a model attached
+      there is nothing to measure: ``alpha_{N+1}`` stays as under ``fixed``.
+
+    A change of ``alpha_{N+1}`` recomputes the betas on the next step.
+
+    After each recompute step (with ``update_every > 1``) the betas, branch factors and branch alphas
+    are copied to the host in one sync, and the steps in between run on those floats (see
     :mod:`adaloss.adaptive.ops`). The same code runs on every device: on the CPU, in the emulation, the
     code a GPU runs. Under gradient accumulation every
     ``scale()`` of one iteration uses the betas of its first backward pass. Layers and branch points that no
@@ -111,7 +143,8 @@ class AdaptiveLossScaler(LossScaler):
     stays a power of two, so every gradient unscales exactly (their setters accept only those values).
     Host-device syncs: ``scale``, ``unscale_``, ``recompute_next``, the getters and setters: none;
     ``step``: one (the Inf/NaN flag); ``update``: one on a step that recomputed the scales (with
-    ``update_every > 1``), else none; ``layer_scales``/``layer_betas``: one (none right after a reuse step);
+    ``update_every > 1``), one more on a step that measured the loss gradient (``root="adaptive"``), else
+    none; ``layer_scales``/``layer_betas``: one (none right after a reuse step);
     ``branch_rescaled``: one per branch point; ``state_dict``: one per per-layer device tensor.
 
     Args:
@@ -138,8 +171,11 @@ class AdaptiveLossScaler(LossScaler):
             gradient is already large (the text keeps ``beta >= 1``: a layer never has less scale than the
             layers after it). The ``reference`` rule lets beta fall below 1 through its bounds alone, so
             this must stay False there.
-        growth_interval (int, optional, default=2000): clean steps before a lowered ``alpha_{N+1}`` doubles.
+        growth_interval (int, optional, default=2000): clean steps before a lowered ``alpha_{N+1}`` doubles
+            (``root="dynamic"``: before it doubles, lowered or not).
         enabled (bool, optional, default=True): ``False`` makes every method a passthrough.
+        root (str, optional, default="fixed"): how ``alpha_{N+1}`` is chosen: ``"fixed"``, ``"dynamic"``
+            or ``"adaptive"`` (above).
         product_betas (bool, optional, default=True): give activation-by-activation products (``matmul``,
             ``bmm``, ``@``) and attention calls (``F.scaled_dot_product_attention``,
             ``nn.MultiheadAttention``) a beta of their own, Algorithm 4 with the other operand in the
@@ -166,6 +202,7 @@ class AdaptiveLossScaler(LossScaler):
         scale_upper_bound: float | str | None = "auto",
         accum_upper_bound: float | str | None = "auto",
         product_betas: bool = True,
+        root: str = "fixed",
     ) -> None:
         # the arguments, what a copy is built from (``__getstate__``)
         self._options = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
@@ -201,6 +238,7 @@ class AdaptiveLossScaler(LossScaler):
         if not isinstance(product_betas, bool):
             raise ConfigError(f"scaler.product_betas must be true or false, got {product_betas!r}")
         self.product_betas = product_betas
+        self.root = _root_name(root)
         self.t_uf = t_uf
         self.update_every = update_every
         self.allow_below_one = allow_below_one
@@ -225,6 +263,9 @@ class AdaptiveLossScaler(LossScaler):
         self._pending: dict[str, Any] | None = None
         self._gemm_weights: list[torch.Tensor] = []
         self._scales_cache: tuple[dict[str, float], dict[str, float]] | None = None
+        # root="adaptive": whether this iteration measures the loss gradient, what it measured (binade
+        # counts and max magnitude, on the device) and the alpha_{N+1} it was measured at
+        self._measure_root, self._root_stats, self._root_at = False, None, self._loss_scale
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any], fmt: FloatFormat | None) -> AdaptiveLossScaler:
@@ -242,6 +283,7 @@ class AdaptiveLossScaler(LossScaler):
             "scale_upper_bound",
             "accum_upper_bound",
             "product_betas",
+            "root",
         }
         unknown = sorted(set(cfg.keys()) - known)
         if unknown:
@@ -262,6 +304,7 @@ class AdaptiveLossScaler(LossScaler):
             scale_upper_bound=cfg.get("scale_upper_bound", "auto"),
             accum_upper_bound=cfg.get("accum_upper_bound", "auto"),
             product_betas=cfg.get("product_betas", True),
+            root=cfg.get("root", "fixed"),
         )
 
     # ------------------------------------------------------------------ copies
@@ -310,6 +353,8 @@ class AdaptiveLossScaler(LossScaler):
         # Which tensors need gradients, per forward pass: lets reuse steps skip points no gradient reaches
         # (frozen layers) instead of recomputing every step (see AdaptiveState.start_backward).
         gm.register_forward_pre_hook(GradSignature(state, list(gm.parameters())), with_kwargs=True)
+        if self.root == "adaptive":  # the loss gradient's statistics, at the model's outputs
+            gm.register_forward_hook(_LossGradientHook(self))
         return gm
 
     # ------------------------------------------------------------------ training-loop API
@@ -343,6 +388,12 @@ class AdaptiveLossScaler(LossScaler):
             self.state.reach.requested = False
             self._scaled_this_iteration = True
             recompute = self._recomputing
+            # root="adaptive": measure the loss gradient on the first iteration and on the one before each
+            # scheduled recompute, whose alpha_{N+1} it decides (see _follow_loss_gradient)
+            self._measure_root = self.root == "adaptive" and (
+                self._iteration == 0 or (self._iteration + 1) % self.update_every == 0
+            )
+            self._root_stats, self._root_at = None, self._loss_scale
         else:
             recompute = False
         if recompute:
@@ -388,7 +439,8 @@ class AdaptiveLossScaler(LossScaler):
     # ------------------------------------------------------------------ GradScaler's growth and backoff
 
     def get_growth_interval(self) -> int:
-        """Clean steps after which a lowered ``alpha_{N+1}`` doubles (never above ``init_scale``). No sync."""
+        """Clean steps after which a lowered ``alpha_{N+1}`` doubles (never above its ceiling; under
+        ``root="dynamic"`` it doubles, lowered or not). No sync."""
         return self.growth_interval
 
     def set_growth_interval(self, new_interval: int) -> None:
@@ -406,7 +458,7 @@ class AdaptiveLossScaler(LossScaler):
 
     def get_backoff_factor(self) -> float:
         """0.5: ``alpha_{N+1}`` halves after two overflowing steps in a row (the first one only recomputes
-        the betas). No sync."""
+        the betas; ``root="dynamic"``: on every overflow). No sync."""
         return _ALPHA_BACKOFF
 
     def set_backoff_factor(self, new_factor: float) -> None:
@@ -415,9 +467,11 @@ class AdaptiveLossScaler(LossScaler):
         _fixed_factor(new_factor, _ALPHA_BACKOFF, "backoff", "halves")
 
     def _update_scale(self, found_inf: bool) -> None:
-        """Count the iteration; on an update step copy betas and branch factors to the host (one sync)."""
+        """Count the iteration; move ``alpha_{N+1}`` by the ``root`` rule (class docstring); on an update
+        step copy betas and branch factors to the host (one sync)."""
         self._iteration += 1
         self._scaled_this_iteration = False
+        measured, self._root_stats, self._measure_root = self._root_stats, None, False
         state = self.state
         if state is not None:
             state.graph_built = False
@@ -425,20 +479,111 @@ class AdaptiveLossScaler(LossScaler):
             self._force_recompute = True
             self._consecutive_overflows += 1
             self._clean_steps = 0
-            if self._consecutive_overflows >= 2:
-                self._set_loss_scale(max(self._loss_scale * _ALPHA_BACKOFF, 2.0**-24))
+            # fixed, adaptive: the first overflow only recomputes the betas; dynamic: GradScaler's backoff
+            if self._consecutive_overflows >= (1 if self.root == "dynamic" else 2):
+                self._set_loss_scale(backed_off(self._loss_scale, _ALPHA_BACKOFF, _ROOT_FLOOR))
             if state is not None:
                 state.host = None
             return
         self._force_recompute = False
         self._consecutive_overflows = 0
         self._clean_steps += 1
-        if self._clean_steps >= self.growth_interval and self._loss_scale < self._init_scale:
-            self._set_loss_scale(min(self._loss_scale * _ALPHA_GROWTH, self._init_scale))
+        if self._clean_steps >= self.growth_interval and (
+            self.root == "dynamic" or self._loss_scale < self._init_scale
+        ):
+            ceiling = None if self.root == "dynamic" else self._init_scale
+            self._set_loss_scale(grown(self._loss_scale, _ALPHA_GROWTH, ceiling))
             self._clean_steps = 0
             self._force_recompute = True
+        if measured is not None:
+            self._follow_loss_gradient(measured)
         if state is not None and self._recomputing and self.update_every > 1:
             state.fetch_host()  # the one sync per recompute
+
+    # ------------------------------------------------------------------ root="adaptive"
+
+    def _record_root(self, grad: torch.Tensor) -> None:
+        """Add one model output's gradient (the loss gradient, at ``alpha_{N+1}``) to this iteration's
+        measurement: how many of its non-zero elements lie in each binade (``|g| = m 2**e``, ``m`` in
+        [0.5, 1): a histogram of ``e``, :data:`_BINS` int64 counts) and its largest magnitude, on the
+        gradient's device. Called from the backward pass on measuring iterations only; static shapes, no
+        host sync."""
+        if not self._measure_root or grad is None or grad.numel() == 0:
+            return
+        with torch._C.DisableTorchFunction(), torch.no_grad():
+            a = grad.detach().abs().float().reshape(-1)
+            e = torch.frexp(a).exponent.to(torch.int64).add_(_BIN_OFFSET).clamp_(0, _BINS - 2)
+            e = torch.where(a == 0, _BINS - 1, e)  # zeros (and nothing else) in the last bin, not counted
+            counts = torch.zeros(_BINS, dtype=torch.int64, device=a.device).index_add_(
+                0, e, torch.ones_like(e)
+            )
+            peak = a.amax()
+            if self._root_stats is None:
+                self._root_stats = (counts, peak)
+            else:  # another output, or another backward pass of this iteration (accumulation)
+                old_counts, old_peak = self._root_stats
+                self._root_stats = (
+                    old_counts + counts.to(old_counts.device),
+                    old_peak.maximum(peak.to(old_peak.device)),
+                )
+
+    def _follow_loss_gradient(self, measured: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Algorithm 4 on the loss gradient itself: the new ceiling of ``alpha_{N+1}`` from a clean step's
+        measurement (one host sync, in ``update()``, after ``step()``'s). A backoff in force stays:
+        ``alpha_{N+1}`` moves by the same power of two as its ceiling. A change recomputes the betas on
+        the next step (those in use were computed under the old ``alpha_{N+1}``)."""
+        counts, peak = measured
+        if self.state is not None and self.state.reduce_fn is not None:  # the same root on every rank
+            dist, group = torch.distributed, self.state.reduce_fn.group
+            counts, peak = counts.clone(), peak.clone()
+            dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+        host = torch.cat([counts.double(), peak.double().reshape(1)]).cpu().tolist()  # the one sync
+        peak_value = host[-1] / self._root_at
+        if not math.isfinite(peak_value):
+            return
+        by_exponent = {e - _BIN_OFFSET: int(c) for e, c in enumerate(host[: _BINS - 1]) if c}
+        ceiling = self.root_target(by_exponent, peak_value, self._root_at)
+        if ceiling == self._init_scale:
+            return
+        scale = max(self._loss_scale * (ceiling / self._init_scale), _ROOT_FLOOR)
+        self._init_scale = ceiling
+        if scale != self._loss_scale:
+            self._set_loss_scale(scale)
+            self._force_recompute = True
+
+    def root_target(self, by_exponent: dict[int, int], peak: float, measured_at: float = 1.0) -> float:
+        """``alpha_{N+1}`` as Algorithm 4 chooses a layer's beta, for a loss gradient measured at scale
+        ``measured_at``: ``by_exponent`` counts its non-zero elements by binade (``{e: n}`` for ``|g| = m
+        2**e``, ``m`` in [0.5, 1)) and ``peak`` is its largest unscaled magnitude.
+
+        * Lower bound: the smallest power of two ``alpha`` under which at most ``T_uf`` of the elements
+          fall below ``u_min`` (rounded to the nearest power of two), Equation 1's condition ``P(alpha |g|
+          <= u) <= T_uf`` on the measured distribution: a layer's ``p`` is a product inside its GEMM,
+          which the paper models as normal; the loss gradient is there to be counted (a softmax's is far
+          from normal: its many small elements spread over many binades).
+        * Overflow bound ``u_max / peak``; the two combined and rounded down to a power of two as
+          ``scaler.rule`` combines a layer's, under the accumulation cap (``accum_upper_bound``:
+          ``alpha_{N+1}`` is the accumulated scale of the output layers' gradients; the per-layer cap does
+          not apply). No elements: 1. On the host; no device involved."""
+        total = sum(by_exponent.values())
+        if total == 0:
+            return 1.0
+        threshold = round(math.log2(self.u_min))  # |g| alpha < 2**threshold underflows
+        shift = round(math.log2(measured_at))  # the binades were counted at this scale (a power of two)
+        allowed, below, lower_exp = self.t_uf * total, 0, None
+        exponents = sorted(by_exponent)
+        # alpha = 2**s keeps |g| = m 2**(e - shift) when e - shift + s > threshold: scan the smallest s
+        for s in range(threshold - exponents[-1] + shift, threshold - exponents[0] + shift + 2):
+            below = sum(n for e, n in by_exponent.items() if e - shift + s <= threshold)
+            if below <= allowed:
+                lower_exp = s
+                break
+        lower = 2.0**lower_exp if lower_exp is not None else NO_BOUND
+        cap = self.rule.caps[1]
+        factors = torch.tensor([lower, self.u_max, self.u_max, cap, cap], dtype=torch.float64)
+        stats = torch.tensor([1.0, peak, peak, 1.0, 1.0], dtype=torch.float64)
+        return min(max(float(self.rule.beta(factors, stats)), _ROOT_FLOOR), NO_BOUND)
 
     # ------------------------------------------------------------------ telemetry
 
@@ -512,7 +657,8 @@ class AdaptiveLossScaler(LossScaler):
             "force_recompute": self._force_recompute,
             "consecutive_overflows": self._consecutive_overflows,
             "clean_steps": self._clean_steps,
-            "init_scale": self._init_scale,
+            "init_scale": self._init_scale,  # the ceiling of alpha_{N+1} (root="adaptive": the measured one)
+            "root": self.root,
         }
         if self._pending is not None:
             extra.update(
@@ -546,6 +692,12 @@ class AdaptiveLossScaler(LossScaler):
         return extra
 
     def _load_extra_state(self, saved: dict[str, Any]) -> None:
+        saved_root = saved.get("root", "fixed")  # states saved before scaler.root existed: fixed
+        if saved_root != self.root:
+            raise ConfigError(
+                f"the checkpoint holds state of scaler.root={saved_root} but this run uses "
+                f"scaler.root={self.root}; resume with scaler.root={saved_root} or start a fresh run"
+            )
         self._iteration = int(saved.get("iteration", 0))
         self._force_recompute = bool(saved.get("force_recompute", True))
         self._consecutive_overflows = int(saved.get("consecutive_overflows", 0))
@@ -601,6 +753,61 @@ def _fixed_factor(value: Any, fixed: float, kind: str, verb: str) -> None:
             f"two, so gradients unscale exactly), got {value!r}; tune scaler.growth_interval, t_uf or "
             "init_scale instead"
         )
+
+
+class _LossGradientProbe(torch.autograd.Function):
+    """Identity on a model output; on the way back, hands the loss gradient reaching it to the scaler
+    (``root="adaptive"``) and passes it on unchanged."""
+
+    @staticmethod
+    def forward(ctx, y, scaler):  # type: ignore[override]
+        ctx.scaler = scaler
+        with torch._C.DisableTorchFunction():
+            out = y.view_as(y)
+            if is_low_precision(y):  # stored in the format exactly when y is (the CPU emulation's mark)
+                mark_low_precision(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        ctx.scaler._record_root(grad)
+        return grad, None
+
+
+class _LossGradientHook:
+    """Forward hook of an attached model under ``root="adaptive"``: every floating-point output tensor
+    that requires grad (in tuples, lists and dicts too) passes through :class:`_LossGradientProbe`."""
+
+    def __init__(self, scaler: AdaptiveLossScaler) -> None:
+        self.scaler = scaler
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return output
+        return self._wrap(output)
+
+    def _wrap(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            if value.requires_grad and value.is_floating_point():
+                return _LossGradientProbe.apply(value, self.scaler)
+            return value
+        if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
+            return type(value)(*(self._wrap(v) for v in value))
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._wrap(v) for v in value)
+        if isinstance(value, dict):
+            return {k: self._wrap(v) for k, v in value.items()}
+        return value
+
+
+def _root_name(root: Any) -> str:
+    """Parse ``root`` (``scaler.root``); ConfigError for anything but one of :data:`ROOTS`."""
+    name = root.strip().lower() if isinstance(root, str) else None
+    if name not in ROOTS:
+        raise ConfigError(
+            f"scaler.root must be one of {', '.join(ROOTS)}, got {root!r}; e.g. scaler.root=fixed"
+        )
+    return name
 
 
 def _first_tensor(value: Any) -> torch.Tensor:

@@ -22,7 +22,7 @@ from adaloss.scalers.base import (
     to_float32,
 )
 
-__all__ = ["CHAINER_MAX_SCALE", "DYNAMIC_RULES", "DynamicLossScaler"]
+__all__ = ["CHAINER_MAX_SCALE", "DYNAMIC_RULES", "DynamicLossScaler", "backed_off", "grown"]
 
 #: The values of ``rule`` (``scaler.rule``).
 DYNAMIC_RULES = ("torch", "chainer")
@@ -277,8 +277,7 @@ class DynamicLossScaler(LossScaler):
             if self._hysteresis_tracker > 1:
                 self._hysteresis_tracker -= 1  # tolerated: the step was skipped, the scale stays
             else:
-                backed_off = to_float32(self._loss_scale * self._backoff_factor)
-                self._set_loss_scale(max(backed_off, self._min_scale))
+                self._set_loss_scale(backed_off(self._loss_scale, self._backoff_factor, self._min_scale))
             return
         if self._consecutive_hysteresis:
             self._hysteresis_tracker = self._hysteresis
@@ -286,11 +285,7 @@ class DynamicLossScaler(LossScaler):
         if self._growth_tracker >= self._growth_interval:  # >=: the interval may have been lowered
             self._growth_tracker = 0
             self._hysteresis_tracker = self._hysteresis
-            grown = to_float32(self._loss_scale * self._growth_factor)
-            if self._max_scale is not None:
-                grown = min(grown, self._max_scale)
-            if math.isfinite(grown):
-                self._set_loss_scale(grown)
+            self._set_loss_scale(grown(self._loss_scale, self._growth_factor, self._max_scale))
 
     def _update_chainer(self, found_inf: bool) -> None:
         """Chainer's rule, in its float64 arithmetic (chainer/optimizer.py, ``Optimizer.update_loss_scale``;
@@ -359,6 +354,22 @@ class DynamicLossScaler(LossScaler):
             else f"growth_tracker={self._growth_tracker}, hysteresis_tracker={self._hysteresis_tracker}"
         )
         return f"DynamicLossScaler(rule={self._rule}, scale={self._loss_scale:g}, {tail})"
+
+
+def backed_off(scale: float, factor: float, min_scale: float) -> float:
+    """GradScaler's backoff: ``scale * factor`` in float32, never below ``min_scale``. Shared by
+    ``DynamicLossScaler(rule="torch")`` and ``AdaptiveLossScaler(root="dynamic")``."""
+    return max(to_float32(scale * factor), min_scale)
+
+
+def grown(scale: float, factor: float, max_scale: float | None) -> float:
+    """GradScaler's growth: ``scale * factor`` in float32, never above ``max_scale`` (None: no cap); a
+    growth that would overflow float32 is dropped (``scale`` comes back), as in GradScaler. Shared by
+    ``DynamicLossScaler(rule="torch")`` and ``AdaptiveLossScaler(root="dynamic")``."""
+    value = to_float32(scale * factor)
+    if max_scale is not None:
+        value = min(value, max_scale)
+    return value if math.isfinite(value) else scale
 
 
 def _rule_name(rule: Any) -> str:
