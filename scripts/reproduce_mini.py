@@ -24,7 +24,8 @@ side by side, each on one thread.
 Then the **claims stage** (``--claims-only`` runs it alone and keeps the other runs; ``--no-claims`` skips
 it): ``experiment=claims_ssd``, SSD512 on shapes at batch 8 with its gradients calibrated by
 ``trainer.loss_multiplier`` to the paper's underflow regime (the config says how and why), 7 methods x
-``--claims-seeds`` (default five), 100 iterations each: 35 runs, about 20 minutes of one core. Then
+``--claims-seeds`` (default five), 100 iterations each, at two calibrations (gradients x 2^-12 and x 2^-16):
+70 runs, about 40 minutes of one core. Then
 ``python -m adaloss.reports.claims`` turns them into a verdict per claim of the paper (``claims/``).
 
 Output, under ``--out``: one sweep folder per experiment, ``tables/`` (``tables.md`` and the CSVs of
@@ -73,7 +74,12 @@ LAUNCHES: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 #: The claims stage: (experiment, overrides), each launched with ``--claims-seeds``; its runs are judged by
 #: ``adaloss.reports.claims`` (the experiment config holds the calibration and the methods).
-CLAIM_LAUNCHES: tuple[tuple[str, tuple[str, ...]], ...] = (("claims_ssd", ()),)
+CLAIM_LAUNCHES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("claims_ssd", ()),  # the calibration: gradients x 2^-12
+    # gradients 16 times smaller still (x 2^-16): lr x 2^16, weight decay and clipping norm x 2^-16
+    ("claims_ssd", ("trainer.loss_multiplier=1.52587890625e-05", "optimizer.lr=655.36",
+                    "optimizer.weight_decay=7.62939453125e-09", "trainer.grad_clip=7.62939453125e-05")),
+)  # fmt: skip
 #: Label of the claims launch folders: after the main launches' ``0_`` to ``7_``.
 CLAIM_INDEX = len(LAUNCHES)
 
@@ -110,7 +116,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "mini", help="output folder")
     parser.add_argument("--jobs", type=int, default=2, help="runs in parallel per launch (default 2)")
     parser.add_argument(
-        "--only", default=None, help="comma-separated experiment names to launch (default: all)"
+        "--only",
+        default=None,
+        help="comma-separated experiment names to launch (default: all); skips the claims",
     )
     parser.add_argument(
         "--keep", action="store_true", help="keep an existing --out folder's runs (default: start clean)"

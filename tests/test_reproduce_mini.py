@@ -58,12 +58,14 @@ def test_smoke_reproduction_builds_every_table_and_figure(tmp_path: Path) -> Non
 
 
 @pytest.mark.parametrize("variant", ["fp32", "adaptive"])
-def test_the_claims_calibration_leaves_fp32_training_unchanged(variant: str) -> None:
+@pytest.mark.parametrize("launch", range(len(reproduce_mini.CLAIM_LAUNCHES)))
+def test_the_claims_calibration_leaves_fp32_training_unchanged(variant: str, launch: int) -> None:
     """claims_ssd shrinks the gradients by trainer.loss_multiplier; the learning rate, weight decay and
     gradient-clipping norm are rescaled by the same power of two, so FP32 SGD takes the shapes recipe's
     steps: lr x m, weight decay / m and clip / m equal the recipe's values exactly."""
     recipe = compose_train(["dataset=shapes", "model=ssd512"])
-    cfg = compose_train(["experiment=claims_ssd", f"variant={variant}"])
+    experiment, overrides = reproduce_mini.CLAIM_LAUNCHES[launch]
+    cfg = compose_train([f"experiment={experiment}", *overrides, f"variant={variant}"])
     m = cfg.trainer.loss_multiplier
     assert m < 1 and math.log2(m).is_integer()  # a power of two: the rescaling is exact
     assert cfg.optimizer.lr * m == recipe.optimizer.lr
@@ -87,7 +89,8 @@ def test_the_committed_claims_table_has_five_seeds_per_cell() -> None:
     assert all(r["verdict"] in ("reproduced", "not reproduced", "inconclusive") for r in rows)
     cells = [r for r in (folder / "claims.md").read_text().split("## The cells")[1].splitlines()
              if r.startswith("| SSD512")]  # fmt: skip
-    assert len(cells) == 7 and all("(n=5)" in r.split("|")[4] for r in cells), cells
+    assert len(cells) == 7 * len(reproduce_mini.CLAIM_LAUNCHES), cells
+    assert all("(n=5)" in r.split("|")[4] for r in cells), cells
 
 
 def test_the_committed_mini_tables_average_three_seeds() -> None:

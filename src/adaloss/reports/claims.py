@@ -233,6 +233,7 @@ class Task:
     dataset: str
     batch_size: Any
     higher_is_better: bool  # classification accuracy: True; detection training loss: False
+    loss_multiplier: float = 1.0  # trainer.loss_multiplier: the calibration of the gradients' magnitude
     cells: dict[str, Cell] = field(default_factory=dict)
 
     @property
@@ -241,7 +242,16 @@ class Task:
 
     @property
     def label(self) -> str:
-        return f"{MODEL_LABELS.get(self.model, self.model)} on {self.dataset}, batch {self.batch_size}"
+        """``SSD512 on shapes, batch 8, gradients x 2^-12`` (the calibration when there is one)."""
+        label = f"{MODEL_LABELS.get(self.model, self.model)} on {self.dataset}, batch {self.batch_size}"
+        if self.loss_multiplier != 1.0:
+            power = math.log2(self.loss_multiplier)
+            label += (
+                f", gradients x 2^{power:g}"
+                if power.is_integer()
+                else f", gradients x {self.loss_multiplier:g}"
+            )
+        return label
 
     @property
     def metric_name(self) -> str:
@@ -262,23 +272,24 @@ def tasks_of(folders: Sequence[str | Path]) -> list[Task]:
         ReportError: a folder does not exist, or holds no finished run.
     """
     records = read_records(folders)
-    tasks: dict[tuple[str, str, str], Task] = {}
+    tasks: dict[tuple[str, str, str, float], Task] = {}
     for record in records.records:
         if record.folder is None or not isinstance(record.data.get("config"), Mapping):
             continue
         config = record.config
         model, dataset = str(_cfg(config, "model.name", "?")), str(_cfg(config, "dataset.name", "?"))
         batch = _cfg(config, "trainer.batch_size")
-        key = (model, dataset, str(batch))
+        multiplier = number(_cfg(config, "trainer.loss_multiplier", 1.0)) or 1.0
+        key = (model, dataset, str(batch), multiplier)
         if key not in tasks:
-            tasks[key] = Task(model, dataset, batch, higher_is_better="map" not in record.data)
+            tasks[key] = Task(model, dataset, batch, "map" not in record.data, multiplier)
         run = summarize_run(record.folder, record.data)
         tasks[key].cells.setdefault(run.method, Cell(run.method, [])).runs.append(run)
     if not tasks:
         raise ReportError(
             f"no finished run (metrics.json with a config) under {', '.join(map(str, folders))}"
         )
-    return [tasks[k] for k in sorted(tasks)]
+    return [tasks[k] for k in sorted(tasks, key=lambda k: (*k[:3], -k[3]))]  # the mildest calibration first
 
 
 # ---------------------------------------------------------------------------------------------- claims
