@@ -106,6 +106,13 @@ def mini_figures(root: Path) -> str:
     return "\n\n".join(lines)
 
 
+def mini_claims(root: Path) -> str:
+    """The claims table of ``make reproduce-mini``'s claims stage, as ``adaloss.reports.claims`` wrote it
+    (its title left out: the page has its own heading)."""
+    text = (root / "results" / "mini" / "claims" / "claims.md").read_text(encoding="utf-8")
+    return paragraphs(demote(escape_html(text.split("\n", 1)[1]), 2))
+
+
 def lm_table(folder: str) -> Callable[[Path], str]:
     def render(root: Path) -> str:
         return paragraphs((root / "results" / "lm" / folder / "table.md").read_text(encoding="utf-8"))
@@ -212,6 +219,7 @@ def bench(root: Path) -> str:
 REGIONS: dict[str, Callable[[Path], str]] = {
     "mini-tables": mini_tables,
     "mini-figures": mini_figures,
+    "mini-claims": mini_claims,
     "lm-untied": lm_table("untied"),
     "lm-tied": lm_table("tied"),
     "lm-underflow": lm_table("underflow"),

@@ -1,6 +1,7 @@
 """The mini reproduction: every experiment of configs/experiment/ in reduced form, then tables and figures.
 
     python scripts/reproduce_mini.py [--out results/mini] [--jobs 2] [--only table1_cifar,fig1_ssd_stats]
+    python scripts/reproduce_mini.py --claims-only      # the claims stage alone (make reproduce-claims)
     make reproduce-mini
 
 Each experiment is launched exactly as on a cluster (``python train.py -m experiment=<name> ...``), with
@@ -20,10 +21,18 @@ scales and Table 5 only scales 1 and 16 to Table 3's batch-8 runs (``make_tables
 every folder). Launches run one after the other; within one, Hydra's joblib launcher runs ``--jobs`` runs
 side by side, each on one thread.
 
+Then the **claims stage** (``--claims-only`` runs it alone and keeps the other runs; ``--no-claims`` skips
+it): ``experiment=claims_ssd``, SSD512 on shapes at batch 8 with its gradients calibrated by
+``trainer.loss_multiplier`` to the paper's underflow regime (the config says how and why), 7 methods x
+``--claims-seeds`` (default five), 100 iterations each, at two calibrations (gradients x 2^-12 and x 2^-16):
+70 runs, about 40 minutes of one core. Then
+``python -m adaloss.reports.claims`` turns them into a verdict per claim of the paper (``claims/``).
+
 Output, under ``--out``: one sweep folder per experiment, ``tables/`` (``tables.md`` and the CSVs of
-``scripts/make_tables.py``), ``figures/`` (the PNGs of ``scripts/make_figures.py``) and ``timing.json``
-(seconds per launch). These numbers are a smoke test of the whole pipeline at toy scale, not the paper's:
-every table and figure says which data and model it comes from.
+``scripts/make_tables.py``), ``figures/`` (the PNGs of ``scripts/make_figures.py``), ``claims/``
+(``claims.md``, ``claims.csv``, ``claims.json``) and ``timing.json`` (seconds per launch). The tables and
+figures are a smoke test of the whole pipeline at toy scale, not the paper's: every table and figure says
+which data and model it comes from.
 """
 
 from __future__ import annotations
@@ -63,6 +72,17 @@ LAUNCHES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("fig4_scales", (*DIGITS, "model=resnet18", "variant=adaptive", "telemetry.every=10")),  # (a)
 )
 
+#: The claims stage: (experiment, overrides), each launched with ``--claims-seeds``; its runs are judged by
+#: ``adaloss.reports.claims`` (the experiment config holds the calibration and the methods).
+CLAIM_LAUNCHES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("claims_ssd", ()),  # the calibration: gradients x 2^-12
+    # gradients 16 times smaller still (x 2^-16): lr x 2^16, weight decay and clipping norm x 2^-16
+    ("claims_ssd", ("trainer.loss_multiplier=1.52587890625e-05", "optimizer.lr=655.36",
+                    "optimizer.weight_decay=7.62939453125e-09", "trainer.grad_clip=7.62939453125e-05")),
+)  # fmt: skip
+#: Label of the claims launch folders: after the main launches' ``0_`` to ``7_``.
+CLAIM_INDEX = len(LAUNCHES)
+
 #: ``--smoke``: the same launches cut to 2 iterations each (a check of the pipeline, for tests).
 SMOKE = ("trainer.max_steps=2", "trainer.eval_every=2", "telemetry.every=1")
 SMOKE_SHAPES = ("dataset.test_size=8", "model.image_size=64")
@@ -96,7 +116,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "mini", help="output folder")
     parser.add_argument("--jobs", type=int, default=2, help="runs in parallel per launch (default 2)")
     parser.add_argument(
-        "--only", default=None, help="comma-separated experiment names to launch (default: all)"
+        "--only",
+        default=None,
+        help="comma-separated experiment names to launch (default: all); skips the claims",
     )
     parser.add_argument(
         "--keep", action="store_true", help="keep an existing --out folder's runs (default: start clean)"
@@ -107,56 +129,54 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--seeds", default="0,1,2", help="comma-separated seeds of every run (default 0,1,2; --smoke: 0)"
     )
+    stage = parser.add_mutually_exclusive_group()
+    stage.add_argument(
+        "--claims-only", action="store_true", help="only the claims stage (keeps the other runs in --out)"
+    )
+    stage.add_argument("--no-claims", action="store_true", help="skip the claims stage")
+    parser.add_argument(
+        "--claims-seeds", default="0,1,2,3,4", help="seeds of the claims stage (default 0-4; --smoke: 0)"
+    )
     return parser.parse_args(argv)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.jobs < 1:
-        print(f"error: --jobs must be at least 1, got {args.jobs}", file=sys.stderr)
-        return 2
-    seeds_arg = "0" if args.smoke and args.seeds == "0,1,2" else args.seeds
-    seeds = [s.strip() for s in seeds_arg.split(",")]
-    if not all(s.lstrip("-").isdigit() for s in seeds):
-        print(f"error: --seeds must be integers separated by commas (e.g. 0,1,2), got {args.seeds!r}",
-              file=sys.stderr)  # fmt: skip
-        return 2
-    selected = set(args.only.split(",")) if args.only else None
-    known = {name for name, _ in LAUNCHES}
-    if selected and not selected <= known:
-        unknown = ", ".join(sorted(selected - known))
-        print(
-            f"error: unknown experiment(s) {unknown}: choose from {', '.join(sorted(known))}", file=sys.stderr
-        )
-        return 2
-    out: Path = args.out.resolve()
-    if out.exists() and not args.keep:
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+def _seeds(text: str, option: str) -> list[str] | None:
+    """The seeds of a comma-separated list, or None (after one error line) if one is not an integer."""
+    seeds = [s.strip() for s in text.split(",")]
+    if all(s.lstrip("-").isdigit() for s in seeds):
+        return seeds
+    print(f"error: {option} must be integers separated by commas (e.g. 0,1,2), got {text!r}", file=sys.stderr)
+    return None
 
-    timing: dict[str, float] = {}
-    started = time.perf_counter()
+
+def _launch(label: str, experiment: str, overrides: Sequence[str], args: argparse.Namespace, out: Path,
+            env: dict[str, str], started: float) -> float | None:  # fmt: skip
+    """One ``train.py -m`` launch into ``out/label``: its seconds, or None (after the error) if it failed."""
+    if args.smoke:
+        shapes = "dataset=shapes" in overrides or experiment.startswith("claims_")
+        overrides = (*overrides, *SMOKE, *(SMOKE_SHAPES if shapes else ()))
+    command = launch_command(experiment, overrides, out / label, args.jobs)
+    print(f"[{time.perf_counter() - started:6.0f} s] {label}: {' '.join(command[2:])}", flush=True)
+    tick = time.perf_counter()
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        tail = "\n".join((result.stderr or result.stdout).strip().splitlines()[-15:])
+        print(f"{tail}\nerror: launch {label} failed (exit {result.returncode}); see above", file=sys.stderr)
+        return None
+    return round(time.perf_counter() - tick, 1)
+
+
+def _main_stage(args, seeds, selected, out, env, started, timing) -> int:  # type: ignore[no-untyped-def]
+    """The launches of the paper's tables and figures, then ``tables/`` and ``figures/``."""
     for index, (experiment, overrides) in enumerate(LAUNCHES):
         if selected and experiment not in selected:
             continue
         label = f"{index}_{experiment}"
-        overrides = (*overrides, f"seed={','.join(seeds)}")
-        if args.smoke:
-            overrides = (*overrides, *SMOKE, *(SMOKE_SHAPES if "dataset=shapes" in overrides else ()))
-        command = launch_command(experiment, overrides, out / label, args.jobs)
-        print(f"[{time.perf_counter() - started:6.0f} s] {label}: {' '.join(command[2:])}", flush=True)
-        tick = time.perf_counter()
-        result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
-        timing[label] = round(time.perf_counter() - tick, 1)
-        if result.returncode != 0:
-            tail = "\n".join((result.stderr or result.stdout).strip().splitlines()[-15:])
-            print(
-                f"{tail}\nerror: launch {label} failed (exit {result.returncode}); see above", file=sys.stderr
-            )
+        seconds = _launch(label, experiment, (*overrides, f"seed={','.join(seeds)}"), args, out, env, started)
+        if seconds is None:
             return 1
-    (out / "timing.json").write_text(json.dumps(timing, indent=2) + "\n")
-
+        timing[label] = seconds
+        (out / "timing.json").write_text(json.dumps(timing, indent=2) + "\n")
     print(f"[{time.perf_counter() - started:6.0f} s] tables", flush=True)
     tables = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "make_tables.py"), str(out), "--out", str(out / "tables"),
@@ -168,11 +188,67 @@ def main(argv: Sequence[str] | None = None) -> int:
         [sys.executable, str(ROOT / "scripts" / "make_figures.py"), str(out), "--out", str(out / "figures")],
         cwd=ROOT, env=env,
     )  # fmt: skip
-    total = time.perf_counter() - started
-    timing["total"] = round(total, 1)
-    (out / "timing.json").write_text(json.dumps(timing, indent=2) + "\n")
-    print(f"mini reproduction done in {total / 60:.1f} min: {out / 'tables'}, {out / 'figures'}")
     return 0 if tables.returncode == 0 and figures.returncode == 0 else 1
+
+
+def _claims_stage(args, seeds, out, env, started, timing) -> int:  # type: ignore[no-untyped-def]
+    """The claims launches (a clean folder each), then ``claims/`` from their runs."""
+    folders = []
+    for offset, (experiment, overrides) in enumerate(CLAIM_LAUNCHES):
+        label = f"{CLAIM_INDEX + offset}_{experiment}"
+        shutil.rmtree(out / label, ignore_errors=True)
+        seconds = _launch(label, experiment, (*overrides, f"seed={','.join(seeds)}"), args, out, env, started)
+        if seconds is None:
+            return 1
+        timing[label] = seconds
+        folders.append(str(out / label))
+    print(f"[{time.perf_counter() - started:6.0f} s] claims", flush=True)
+    claims = subprocess.run(
+        [sys.executable, "-m", "adaloss.reports.claims", *folders, "--out", str(out / "claims")],
+        cwd=ROOT, env=env,
+    )  # fmt: skip
+    return claims.returncode
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.jobs < 1:
+        print(f"error: --jobs must be at least 1, got {args.jobs}", file=sys.stderr)
+        return 2
+    seeds = _seeds("0" if args.smoke and args.seeds == "0,1,2" else args.seeds, "--seeds")
+    claim_seeds = _seeds("0" if args.smoke and args.claims_seeds == "0,1,2,3,4" else args.claims_seeds,
+                         "--claims-seeds")  # fmt: skip
+    if seeds is None or claim_seeds is None:
+        return 2
+    selected = set(args.only.split(",")) if args.only else None
+    known = {name for name, _ in LAUNCHES}
+    if selected and not selected <= known:
+        unknown = ", ".join(sorted(selected - known))
+        print(
+            f"error: unknown experiment(s) {unknown}: choose from {', '.join(sorted(known))}", file=sys.stderr
+        )
+        return 2
+    out: Path = args.out.resolve()
+    if out.exists() and not (args.keep or args.claims_only):
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
+    timing_path = out / "timing.json"
+    timing: dict[str, float] = (
+        json.loads(timing_path.read_text()) if args.claims_only and timing_path.exists() else {}
+    )
+    started = time.perf_counter()
+    status = 0
+    if not args.claims_only:
+        status = _main_stage(args, seeds, selected, out, env, started, timing)
+    if status == 0 and not args.no_claims and not selected:
+        status = _claims_stage(args, claim_seeds, out, env, started, timing)
+    total = time.perf_counter() - started
+    timing["claims_total" if args.claims_only else "total"] = round(total, 1)
+    timing_path.write_text(json.dumps(timing, indent=2) + "\n")
+    print(f"mini reproduction done in {total / 60:.1f} min: {out}")
+    return status
 
 
 if __name__ == "__main__":

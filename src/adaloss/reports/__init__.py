@@ -6,6 +6,8 @@
 * :mod:`adaloss.reports.sweeps`: a table per sweep, whatever it ran.
 * :mod:`adaloss.reports.figures`: the paper's Figures 1 and 4 and per-layer underflow and loss-scale
   figures of any sweep with telemetry (``scripts/make_figures.py``, ``make figures``).
+* :mod:`adaloss.reports.claims`: a verdict per claim of the paper from the mini reproduction's claims runs
+  (``python -m adaloss.reports.claims``, ``make reproduce-claims``).
 
 The scripts are thin wrappers around :func:`adaloss.reports.tables.main` and
 :func:`adaloss.reports.figures.main`.
