@@ -255,6 +255,32 @@ def test_mx_blocks_run_along_the_chosen_dimension() -> None:
     assert _quantize(MXBlockScaling(), x, dim=-1).eq(x).all()
 
 
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("rounding", ["floor", "ceil"])
+def test_mx_block_views_match_blocks_moved_last_and_scaled_elementwise(fmt, rounding: str) -> None:
+    # mx_block reduces each block in place (x viewed as (before, n / 32, 32, after), no copy) and rounds
+    # in place; the reference moves the block dimension last, cuts it into blocks of 32 (or one shorter
+    # block), and applies the tensor recipes' saturating round with each block's scale. Same values, NaN
+    # where the reference has NaN, same saturation count: for conv-like (dim 1, 64 and 16 channels) and
+    # linear-like (last dim 96) gradients, with Inf/NaN elements and tiny and huge magnitudes.
+    torch.manual_seed(0)
+    quantizer = GradQuantizer(MXBlockScaling(rounding=rounding), fmt)
+    for shape, dim in (((4, 64, 3, 3), 1), ((4, 16, 5, 5), 1), ((6, 96), -1), ((3, 64, 2), 1)):
+        x = torch.randn(shape) * torch.exp2(torch.randint(-30, 30, shape).float())
+        x.view(-1)[::97] = math.inf
+        x.view(-1)[5::131] = math.nan
+        out, stats = quantizer.quantize(x, "g", dim, stats=True)
+        moved = x.movedim(dim, -1)
+        block = min(moved.shape[-1], 32)
+        blocks = moved.reshape(*moved.shape[:-1], moved.shape[-1] // block, block)
+        scale = torch.exp2(-mx_exponents(blocks.abs().amax(-1, keepdim=True), fmt.u_max, rounding))
+        ref, saturated = quantizer._saturating_round(blocks, scale, True)
+        ref = ref.reshape(moved.shape).movedim(-1, dim)
+        assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out.nan_to_num(), ref.nan_to_num())
+        assert stats.saturated.item() == saturated.item()
+        assert (saturated.item() > 0) == (rounding == "floor")  # floor saturates somewhere, ceil never
+
+
 def test_emulation_sites_block_along_channels_for_convolutions_and_last_dim_for_linear() -> None:
     quantizer = GradQuantizer(MXBlockScaling(), E4M3)
     emu = EmulatedAutocast(get_format("fp16"), grad_fmt=E4M3, grad_quantizer=quantizer)
