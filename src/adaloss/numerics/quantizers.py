@@ -52,6 +52,7 @@ __all__ = [
     "GradSite",
     "QuantStats",
     "quantize_grad",
+    "reduce_amax",
 ]
 
 #: The E8M0 scale's exponent range (OCP MX v1.0, section 5.4.1: 2^-127 .. 2^127; the code 0xFF is NaN).
@@ -83,11 +84,15 @@ class CurrentScaling:
         power_2_scale (bool, default False): round the scale down to a power of two.
         amax_epsilon (float, default 0.0): a floor on the amax; a tensor of tinier values is scaled as if its
             amax were this (bounds the scale).
+        reduce_amax (bool, default False): under data parallelism, the amax is the maximum over the ranks
+            (one all-reduce per stored gradient, TE's amax reduction group), so every rank scales the same
+            tensor alike; off, each rank scales with its own amax.
     """
 
     name: str = "tensor_current"
     power_2_scale: bool = False
     amax_epsilon: float = 0.0
+    reduce_amax: bool = False
 
 
 @dataclass(frozen=True)
@@ -106,18 +111,22 @@ class DelayedScaling:
     A site is the n-th gradient-storing value of a forward pass (with its layer's name), so the same
     tensor of every training step shares one history; a model whose forward pass stores a different
     sequence of values from step to step would mix histories. Under data parallelism each rank keeps its
-    own histories (TE's ``reduce_amax=False``): amaxes are not all-reduced.
+    own histories unless ``reduce_amax`` (TE's ``DelayedScaling.reduce_amax``): then each step's amax is
+    the maximum over the ranks before it enters the history, so every rank holds the same history and scale.
 
     Args:
         margin (int, default 0): head-room in powers of two: the scale is divided by ``2^margin``.
         history_len (int, default 1024): the amax window, in steps.
         amax_compute (str, default "max"): ``max`` (the largest amax in the window) or ``most_recent``.
+        reduce_amax (bool, default False): all-reduce (max) each step's amax over the ranks under data
+            parallelism (see :class:`CurrentScaling`).
     """
 
     name: str = "tensor_delayed"
     margin: int = 0
     history_len: int = 1024
     amax_compute: str = "max"
+    reduce_amax: bool = False
 
 
 @dataclass(frozen=True)
@@ -277,6 +286,20 @@ def mx_exponents(amax: torch.Tensor, fp8_max: float, rounding: str) -> torch.Ten
     return torch.where(torch.isfinite(amax), e, torch.full_like(e, math.nan))
 
 
+def reduce_amax(amax: torch.Tensor) -> torch.Tensor:
+    """The maximum of ``amax`` over the ranks of the default process group (a new tensor; ``amax`` itself
+    outside data parallelism). A NaN amax counts as Inf, so a rank's non-finite amax reaches every rank
+    whatever the backend does with NaN in a max, and the recipes' fallbacks treat both alike. Every rank
+    must quantize the same sequence of gradients (the same model): each call is one collective."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return amax
+    reduced = torch.where(torch.isnan(amax), math.inf, amax)
+    dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
+    return reduced
+
+
 # --------------------------------------------------------------------------------------- the mechanism
 
 
@@ -342,6 +365,8 @@ class GradQuantizer:
             )
         else:
             amax = x.detach().abs().amax().float() if x.numel() else x.new_zeros((), dtype=torch.float32)
+            if recipe.reduce_amax:
+                amax = reduce_amax(amax)
             if isinstance(recipe, CurrentScaling):
                 scale = current_scale(amax, fp8_max, recipe)
             else:
