@@ -263,14 +263,26 @@ def per_layer(rows: list[dict], key: str) -> dict[str, float]:
     return {layer: statistics.fmean(v) for layer, v in sums.items()}
 
 
-def summarize(rows: list[dict], model: str, cell: Cell) -> dict[str, Any]:
-    """One row of the main table: the metric over seeds, its gap to FP32 with the CI, the per-layer rates."""
+def common_layers(rows: list[dict], model: str) -> set[str]:
+    """The layers every FP8 run of ``model`` reports. The adaptive scaler's runs also measure the attention
+    products it scales (``attn.scores``, ``attn.values``: ``scaler.product_betas``), which the other
+    scalers' runs do not, so only the common layers make the cells' mean and worst layer comparable."""
+    sets = [set(r["underflow_rate"]) for r in rows if r["model"] == model and "/" in r["cell"]]
+    return set.intersection(*sets) if sets else set()
+
+
+def summarize(rows: list[dict], model: str, cell: Cell, layers: set[str] | None = None) -> dict[str, Any]:
+    """One row of the main table: the metric over seeds, its gap to FP32 with the CI, the per-layer rates
+    (the table's mean and worst layer over ``layers``, default all; every layer in the ``*_by_layer``)."""
     mine = [r for r in rows if r["model"] == model and r["cell"] == cell.name]
     values = [r["value"] for r in mine if r["value"] is not None]
     gap, half, n = t_interval(paired_differences([r for r in rows if r["model"] == model], cell.name, "fp32"))
     fp8 = bool(cell.fmt)  # FP32's and BF16's underflow is of another format: not shown beside FP8's
-    underflow = per_layer(mine, "underflow_rate") if fp8 else {}
-    saturation = per_layer(mine, "saturation_rate") if fp8 else {}
+    by_layer = {k: per_layer(mine, k) if fp8 else {} for k in ("underflow_rate", "saturation_rate")}
+    underflow, saturation = (
+        {n: v for n, v in by_layer[k].items() if layers is None or n in layers}
+        for k in ("underflow_rate", "saturation_rate")
+    )
     return {
         "model": model,
         "cell": cell.name,
@@ -292,8 +304,8 @@ def summarize(rows: list[dict], model: str, cell: Cell) -> dict[str, Any]:
         "saturation_mean": statistics.fmean(saturation.values()) if saturation else math.nan,
         "saturation_max": max(saturation.values(), default=math.nan),
         "saturation_max_layer": max(saturation, key=saturation.get, default=""),
-        "underflow_by_layer": underflow,
-        "saturation_by_layer": saturation,
+        "underflow_by_layer": by_layer["underflow_rate"],
+        "saturation_by_layer": by_layer["saturation_rate"],
     }
 
 
@@ -390,7 +402,9 @@ def report_markdown(summary: list[dict], effects: list[dict], models: list[str],
         "half-width of the two-sided 95% t-interval (t(0.975, n-1) s / sqrt(n)); `~` marks an interval that "
         "contains 0 (the table cannot tell the cell from FP32). Underflow and saturation: the share of each "
         "layer's activation-gradient elements flushed to zero / clamped at the format's largest value on the "
-        "last training step, averaged over the seeds; mean over the layers and the worst layer.",
+        "last training step, averaged over the seeds; mean over the layers and the worst layer, over the "
+        "layers every FP8 cell measures (adaptive runs also measure the attention products they scale: those "
+        "are in fp8_lab_layers.csv).",
     ]
     for model in models:
         spec = MODELS[model]
@@ -447,6 +461,9 @@ def plot(summary: list[dict[str, Any]], models: list[str], out: Path) -> list[Pa
             ci = row["gap_ci"] if math.isfinite(row["gap_ci"]) else 0.0
             ax.errorbar(row["gap"], y, xerr=ci, fmt="o", color=colors[row["quantizer"]], capsize=3)
         ax.axvline(0.0, color="black", lw=0.8)
+        for label, color in colors.items():
+            ax.plot([], [], "o", color=color, label=label or "BF16")
+        ax.legend(fontsize=8, loc="best")
         ax.set_yticks(range(len(rows)), [r["cell"] for r in rows], fontsize=8)
         ax.invert_yaxis()
         ax.set_xlabel(f"{MODELS[model].unit} minus FP32's (same seed), 95% CI")
@@ -500,7 +517,8 @@ def report(models: list[str], args: argparse.Namespace) -> str:
         r for m in models for r in read_rows(args.out / f"runs_{m}.jsonl", settings_digest(m, args.smoke))
     ]
     present = {(r["model"], r["cell"]) for r in rows}
-    summary = [summarize(rows, m, c) for m in models for c in cells if (m, c.name) in present]
+    layers = {m: common_layers(rows, m) for m in models}
+    summary = [summarize(rows, m, c, layers[m]) for m in models for c in cells if (m, c.name) in present]
     effects = [e for m in models for e in scaler_effects(rows, m)]
     info = {
         "machine": machine_info(),

@@ -37,7 +37,8 @@ def test_gap_to_fp32_is_paired_by_seed_with_a_t_interval(lab) -> None:
     # FP32 1..5; the cell is FP32 + (0.5, 0.4, 0.6, 0.5, 0.5) seed by seed. Paired differences: mean 0.5,
     # sample sd sqrt((0 + 0.01 + 0.01 + 0 + 0) / 4) = 0.0707107, t(0.975, 4) = 2.776445 (a t table), so the
     # half-width is 2.776445 * 0.0707107 / sqrt(5) = 0.087799. Unpaired, the spread of FP32's own values
-    # (sd 1.58) would swamp the gap (the cell: 1.5, 2.4, 3.6, 4.5, 5.5, squared deviations summing to 10.22); with z = 1.96 or sd over n the half-width would be 0.0620 / 0.0785.
+    # (sd 1.58) would swamp the gap; with z = 1.96 or sd over n the half-width would be 0.0620 / 0.0785.
+    # The cell's own values 1.5, 2.4, 3.6, 4.5, 5.5: mean 3.5, squared deviations summing to 10.22.
     fp32 = [_row("fp32", s, float(s + 1)) for s in range(5)]
     cell = [_row("E4M3/none/global", s, s + 1 + d) for s, d in enumerate((0.5, 0.4, 0.6, 0.5, 0.5))]
     rows = list(reversed(fp32 + cell))  # the order of the file does not matter
@@ -72,6 +73,31 @@ def test_scaler_effects_pair_the_scalers_under_the_same_quantizer(lab) -> None:
     assert effects["dynamic - none"]["diff"] == pytest.approx(1.0) and effects["dynamic - none"]["ci"] == 0.0
     table = lab.effects_table(lab.scaler_effects(rows, "gpt"), "gpt")
     assert "| E5M2 | tensor_current | +1.000 ± 0.000 | +0.000 ± 0.000 ~ | -1.000 ± 0.000 |" in table
+
+
+def test_underflow_columns_are_over_the_layers_every_fp8_cell_measures(lab) -> None:
+    # the adaptive runs also measure the attention products they scale (attn.scores here, 50% underflow);
+    # the other scalers' runs do not, so the table's mean and worst layer leave it out (it stays per layer)
+    rates = {"fc": 0.1, "attn.c_attn": 0.3}
+    rows = [
+        _row(
+            "E4M3/none/global", 0, 1.0, underflow_rate=rates, saturation_rate={"fc": 0.0, "attn.c_attn": 0.0}
+        ),
+        _row("E4M3/adaptive/global", 0, 1.0, underflow_rate={**rates, "attn.scores": 0.5}),
+        _row("fp32", 0, 1.0, underflow_rate={"fc": 0.9}),  # FP16's counterfactual: not an FP8 cell
+    ]
+    layers = lab.common_layers(rows, "gpt")
+    assert layers == {"fc", "attn.c_attn"}
+    summary = lab.summarize(
+        rows, "gpt", lab.Cell("E4M3/adaptive/global", (), "E4M3", "adaptive", "global"), layers
+    )
+    assert summary["underflow_mean"] == pytest.approx(0.2) and summary["underflow_max"] == 0.3
+    assert (
+        summary["underflow_max_layer"] == "attn.c_attn"
+        and summary["underflow_by_layer"]["attn.scores"] == 0.5
+    )
+    fp32 = lab.summarize(rows, "gpt", lab.Cell("fp32", ()), layers)
+    assert math.isnan(fp32["underflow_mean"]) and fp32["underflow_by_layer"] == {}
 
 
 def test_smoke_run_writes_the_table_and_figures_and_resumes(lab, tmp_path: Path, monkeypatch) -> None:
