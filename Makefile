@@ -48,6 +48,10 @@ GPU_PYTHON ?= python3
 gpu-check: ## on a CUDA GPU, with that machine's own torch (nothing installed): CUDA tests, FP16/BF16 gradients, adaptive/dynamic step times -> results/gpu/<gpu>.json
 	$(GPU_PYTHON) scripts/gpu_check.py
 
+.PHONY: fp8-lab
+fp8-lab: setup ## FP8 lab: loss scalers x gradient quantizers, E5M2/E4M3, tiny GPT + ResNet-20, 5 seeds (~25 CPU-min, resumable) -> results/fp8, docs/fp8.md
+	OMP_NUM_THREADS=1 $(PY) scripts/fp8_lab.py --docs docs/fp8.md
+
 RUNS ?= results/sweeps
 tables: setup ## the paper's tables that have runs, and a summary of every sweep under RUNS (default results/sweeps) -> results/tables
 	$(PY) scripts/make_tables.py $(RUNS) --out results/tables

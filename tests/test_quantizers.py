@@ -255,6 +255,32 @@ def test_mx_blocks_run_along_the_chosen_dimension() -> None:
     assert _quantize(MXBlockScaling(), x, dim=-1).eq(x).all()
 
 
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("rounding", ["floor", "ceil"])
+def test_mx_block_views_match_blocks_moved_last_and_scaled_elementwise(fmt, rounding: str) -> None:
+    # mx_block reduces each block in place (x viewed as (before, n / 32, 32, after), no copy) and rounds
+    # in place; the reference moves the block dimension last, cuts it into blocks of 32 (or one shorter
+    # block), and applies the tensor recipes' saturating round with each block's scale. Same values, NaN
+    # where the reference has NaN, same saturation count: for conv-like (dim 1, 64 and 16 channels) and
+    # linear-like (last dim 96) gradients, with Inf/NaN elements and tiny and huge magnitudes.
+    torch.manual_seed(0)
+    quantizer = GradQuantizer(MXBlockScaling(rounding=rounding), fmt)
+    for shape, dim in (((4, 64, 3, 3), 1), ((4, 16, 5, 5), 1), ((6, 96), -1), ((3, 64, 2), 1)):
+        x = torch.randn(shape) * torch.exp2(torch.randint(-30, 30, shape).float())
+        x.view(-1)[::97] = math.inf
+        x.view(-1)[5::131] = math.nan
+        out, stats = quantizer.quantize(x, "g", dim, stats=True)
+        moved = x.movedim(dim, -1)
+        block = min(moved.shape[-1], 32)
+        blocks = moved.reshape(*moved.shape[:-1], moved.shape[-1] // block, block)
+        scale = torch.exp2(-mx_exponents(blocks.abs().amax(-1, keepdim=True), fmt.u_max, rounding))
+        ref, saturated = quantizer._saturating_round(blocks, scale, True)
+        ref = ref.reshape(moved.shape).movedim(-1, dim)
+        assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out.nan_to_num(), ref.nan_to_num())
+        assert stats.saturated.item() == saturated.item()
+        assert (saturated.item() > 0) == (rounding == "floor")  # floor saturates somewhere, ceil never
+
+
 def test_emulation_sites_block_along_channels_for_convolutions_and_last_dim_for_linear() -> None:
     quantizer = GradQuantizer(MXBlockScaling(), E4M3)
     emu = EmulatedAutocast(get_format("fp16"), grad_fmt=E4M3, grad_quantizer=quantizer)
@@ -563,3 +589,64 @@ def test_sqnr_of_extreme_sums() -> None:
     probe = Probe(get_format("fp16"))
     probe.record(_t(3e19, 1.0))  # (3e19)^2 overflows float32, not float64
     assert math.isfinite(probe.signal.item())
+
+
+# ---- reduce_amax under data parallelism: 2 gloo processes on the CPU -------------------------------------
+
+
+def _amax_worker(rank: int, port: int, out_dir: str) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        # rank 0's gradient has amax 2, rank 1's amax 8: reduced, both scale by 448 / 8 = 56
+        x = torch.full((4,), 2.0 if rank == 0 else 8.0)
+        found = {}
+        for reduce in (False, True):
+            current = GradQuantizer(CurrentScaling(reduce_amax=reduce), E4M3)
+            _, stats = current.quantize(x, "g", -1, stats=True)
+            delayed = GradQuantizer(DelayedScaling(history_len=4, reduce_amax=reduce), E4M3)
+            delayed.quantize(x, "g", -1)  # step 1 records the amax; the scale of step 2 comes from it
+            nan = torch.full((4,), math.nan if rank == 1 else 2.0)  # a NaN amax on rank 1 only
+            _, nan_stats = GradQuantizer(CurrentScaling(reduce_amax=reduce), E4M3).quantize(
+                nan, "g", -1, True
+            )
+            found[reduce] = {
+                "current": stats.scale_max.item(),
+                "delayed": delayed.state_dict()["sites"]["g"]["scale"].item(),
+                "history": delayed.state_dict()["sites"]["g"]["amax_history"].tolist(),
+                "nan": nan_stats.scale_max.item(),
+            }
+        torch.save(found, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_reduce_amax_gives_every_rank_the_max_amax_over_ranks(tmp_path: Path) -> None:
+    # TE's amax reduction (DelayedScaling.reduce_amax, the amax reduction group of current scaling): under
+    # data parallelism the amax of a tensor is the maximum over the ranks (an all-reduce MAX), so every rank
+    # quantizes with the same scale; without it each rank scales with its own amax.
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_amax_worker, args=(port, str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    own = [r[False] for r in ranks]
+    assert [o["current"] for o in own] == [224.0, 56.0] and [o["delayed"] for o in own] == [224.0, 56.0]
+    reduced = [r[True] for r in ranks]
+    assert [r["current"] for r in reduced] == [56.0, 56.0] and [r["delayed"] for r in reduced] == [56.0, 56.0]
+    # the history holds the reduced amax (TE's layout: recorded amax in the last slot, slot 0 cleared)
+    assert reduced[0]["history"] == reduced[1]["history"] == [0.0, 0.0, 0.0, 8.0]
+    # a NaN amax on one rank: reduced, both ranks take TE's fallback (scale 1); alone, rank 0 scales by 224
+    assert [o["nan"] for o in own] == [224.0, 1.0] and [r["nan"] for r in reduced] == [1.0, 1.0]
+    # outside data parallelism the option changes nothing
+    x = torch.full((4,), 2.0)
+    assert torch.equal(_quantize(CurrentScaling(reduce_amax=True), x), _quantize(CurrentScaling(), x))

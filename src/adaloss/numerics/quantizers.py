@@ -52,6 +52,7 @@ __all__ = [
     "GradSite",
     "QuantStats",
     "quantize_grad",
+    "reduce_amax",
 ]
 
 #: The E8M0 scale's exponent range (OCP MX v1.0, section 5.4.1: 2^-127 .. 2^127; the code 0xFF is NaN).
@@ -83,11 +84,15 @@ class CurrentScaling:
         power_2_scale (bool, default False): round the scale down to a power of two.
         amax_epsilon (float, default 0.0): a floor on the amax; a tensor of tinier values is scaled as if its
             amax were this (bounds the scale).
+        reduce_amax (bool, default False): under data parallelism, the amax is the maximum over the ranks
+            (one all-reduce per stored gradient, TE's amax reduction group), so every rank scales the same
+            tensor alike; off, each rank scales with its own amax.
     """
 
     name: str = "tensor_current"
     power_2_scale: bool = False
     amax_epsilon: float = 0.0
+    reduce_amax: bool = False
 
 
 @dataclass(frozen=True)
@@ -106,18 +111,22 @@ class DelayedScaling:
     A site is the n-th gradient-storing value of a forward pass (with its layer's name), so the same
     tensor of every training step shares one history; a model whose forward pass stores a different
     sequence of values from step to step would mix histories. Under data parallelism each rank keeps its
-    own histories (TE's ``reduce_amax=False``): amaxes are not all-reduced.
+    own histories unless ``reduce_amax`` (TE's ``DelayedScaling.reduce_amax``): then each step's amax is
+    the maximum over the ranks before it enters the history, so every rank holds the same history and scale.
 
     Args:
         margin (int, default 0): head-room in powers of two: the scale is divided by ``2^margin``.
         history_len (int, default 1024): the amax window, in steps.
         amax_compute (str, default "max"): ``max`` (the largest amax in the window) or ``most_recent``.
+        reduce_amax (bool, default False): all-reduce (max) each step's amax over the ranks under data
+            parallelism (see :class:`CurrentScaling`).
     """
 
     name: str = "tensor_delayed"
     margin: int = 0
     history_len: int = 1024
     amax_compute: str = "max"
+    reduce_amax: bool = False
 
 
 @dataclass(frozen=True)
@@ -277,6 +286,20 @@ def mx_exponents(amax: torch.Tensor, fp8_max: float, rounding: str) -> torch.Ten
     return torch.where(torch.isfinite(amax), e, torch.full_like(e, math.nan))
 
 
+def reduce_amax(amax: torch.Tensor) -> torch.Tensor:
+    """The maximum of ``amax`` over the ranks of the default process group (a new tensor; ``amax`` itself
+    outside data parallelism). A NaN amax counts as Inf, so a rank's non-finite amax reaches every rank
+    whatever the backend does with NaN in a max, and the recipes' fallbacks treat both alike. Every rank
+    must quantize the same sequence of gradients (the same model): each call is one collective."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return amax
+    reduced = torch.where(torch.isnan(amax), math.inf, amax)
+    dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
+    return reduced
+
+
 # --------------------------------------------------------------------------------------- the mechanism
 
 
@@ -342,6 +365,8 @@ class GradQuantizer:
             )
         else:
             amax = x.detach().abs().amax().float() if x.numel() else x.new_zeros((), dtype=torch.float32)
+            if recipe.reduce_amax:
+                amax = reduce_amax(amax)
             if isinstance(recipe, CurrentScaling):
                 scale = current_scale(amax, fp8_max, recipe)
             else:
@@ -375,25 +400,65 @@ class GradQuantizer:
     def _quantize_blocks(
         self, x: torch.Tensor, dim: int, stats: bool
     ) -> tuple[torch.Tensor, QuantStats | None]:
-        """MX: blocks of ``block_size`` along ``dim`` (zero-padded at the end), one E8M0 scale each."""
+        """MX: blocks of ``block_size`` along ``dim`` (a shorter last block), one E8M0 scale each.
+
+        When ``dim``'s size ``n`` is a multiple of the block size or at most one block, ``x`` is viewed as
+        ``(before, n / block, block, after)`` and blocks are reduced in place along axis 2, without moving
+        ``dim`` or copying; other sizes take the zero-padded path (:meth:`_quantize_padded_blocks`)."""
         size = self.recipe.block_size
-        moved = x.reshape(1) if x.dim() == 0 else x.movedim(dim, -1)
+        shape = x.shape
+        dim = dim % x.dim() if x.dim() else 0
+        n = shape[dim] if x.dim() else 1
+        if n % size and n > size:
+            return self._quantize_padded_blocks(x, dim, stats)
+        block = min(n, size) if n else size
+        before, after = math.prod(shape[:dim]), math.prod(shape[dim + 1 :])
+        blocks = x.reshape(before, n // block, block, after)
+        out, quant_stats = self._round_blocks(blocks, 2, stats)
+        return out.reshape(shape), quant_stats
+
+    def _quantize_padded_blocks(
+        self, x: torch.Tensor, dim: int, stats: bool
+    ) -> tuple[torch.Tensor, QuantStats | None]:
+        """MX along ``dim`` of a size that is neither a multiple of the block size nor one block: ``dim``
+        moved last and zero-padded to a multiple (zeros change no block's amax), the padding dropped after."""
+        size = self.recipe.block_size
+        moved = x.movedim(dim, -1)
         n = moved.shape[-1]
-        pad = -n % size
-        padded = torch.nn.functional.pad(moved, (0, pad)) if pad else moved
-        blocks = padded.reshape(*padded.shape[:-1], (n + pad) // size, size)
-        amax = blocks.detach().abs().amax(dim=-1, keepdim=True).float()
-        e = mx_exponents(amax, self.fmt.u_max, self.recipe.rounding)
+        padded = torch.nn.functional.pad(moved, (0, -n % size))
+        blocks = padded.reshape(*padded.shape[:-1], padded.shape[-1] // size, size)
+        out, quant_stats = self._round_blocks(blocks, -1, stats)
+        return out.reshape(padded.shape)[..., :n].movedim(-1, dim), quant_stats
+
+    def _round_blocks(
+        self, blocks: torch.Tensor, axis: int, stats: bool
+    ) -> tuple[torch.Tensor, QuantStats | None]:
+        """Each block (the elements along ``axis``) scaled by its ``2^-e``, rounded (saturating) and
+        unscaled: ``round(clamp(x * 2^-e)) * 2^e``. The scaled values are finite or NaN (a block with an Inf
+        or NaN has the NaN scale; a finite amax times ``2^-e <= 2^127`` stays finite), so clamping and
+        rounding in place keep NaN where the general path keeps it."""
+        fp8_max = self.fmt.u_max
+        amax = blocks.detach().abs().amax(dim=axis, keepdim=True).float()
+        e = mx_exponents(amax, fp8_max, self.recipe.rounding)
         scale = torch.exp2(-e)  # the multiplier 1 / X; NaN for a non-finite block
-        out, saturated = self._saturating_round(blocks, scale, stats)
-        out = out.reshape(padded.shape)[..., :n]
-        out = out.reshape(()) if x.dim() == 0 else out.movedim(-1, dim)
-        if not stats:
-            return out, None
+        if blocks.dtype != torch.float32:  # 2^127 may overflow a narrower dtype: the general path
+            out, saturated = self._saturating_round(blocks, scale, stats)
+            return out, self._block_stats(amax, scale, saturated) if stats else None
+        scaled = blocks * scale
+        saturated = (scaled.abs() > fp8_max).sum() if stats else None  # NaN compares False
+        if self.fmt.ieee_specials:  # E4M3's rounding saturates by itself (round_to_format): no clamp
+            scaled.clamp_(-fp8_max, fp8_max)
+        out = round_to_format(scaled, self.fmt)
+        out = out.mul_(1.0 / scale)
+        return out, self._block_stats(amax, scale, saturated) if stats else None
+
+    @staticmethod
+    def _block_stats(amax: torch.Tensor, scale: torch.Tensor, saturated: torch.Tensor) -> QuantStats:
+        """The scale range over the blocks with a non-zero finite amax."""
         valid = torch.isfinite(amax) & (amax > 0)
         scale_min = torch.where(valid, scale, math.inf).amin()
         scale_max = torch.where(valid, scale, -math.inf).amax()
-        return out, QuantStats(saturated, scale_min, scale_max)
+        return QuantStats(saturated, scale_min, scale_max)
 
     def state_dict(self) -> dict[str, Any]:
         """The recipe's fields and, for ``tensor_delayed``, each site's amax history and scale (tensors)."""
