@@ -19,6 +19,7 @@ Sources of the expected values (each derived by hand in a comment at the test):
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from collections.abc import Callable
@@ -650,3 +651,29 @@ def test_reduce_amax_gives_every_rank_the_max_amax_over_ranks(tmp_path: Path) ->
     # outside data parallelism the option changes nothing
     x = torch.full((4,), 2.0)
     assert torch.equal(_quantize(CurrentScaling(reduce_amax=True), x), _quantize(CurrentScaling(), x))
+
+
+@pytest.mark.parametrize("grad_scaling", ["tensor_current", "mx_block"])
+def test_the_adaptive_scaler_stores_its_gradients_through_the_quantizer(grad_scaling: str) -> None:
+    """Under a quantizer, gradients far below E4M3's smallest value (2**-9) survive: the adaptive scaler's
+    beta-scaled gradient and its weight gradients are stored through the recipe, as the plain emulation
+    stores them, not rounded again without the scale (which flushed them to zero)."""
+    from adaloss.scalers import AdaptiveLossScaler
+
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
+    x = torch.randn(16, 32)
+    (plain(x).square().sum() * 2.0**-40).backward()
+    expected = [p.grad.clone() for p in plain.parameters()]
+
+    precision = Precision("fp8_e4m3", "cpu", grad_scaling=grad_scaling)
+    scaler = AdaptiveLossScaler(init_scale=1.0)
+    model = precision.prepare(scaler.attach(copy.deepcopy(plain)))
+    model.zero_grad(set_to_none=True)
+    with precision.autocast():
+        loss = model(x).square().sum() * 2.0**-40
+    scaler.scale(loss).backward()
+    scaler.unscale_(torch.optim.SGD(model.parameters(), lr=0.0))
+    for got, want in zip((p.grad for p in model.parameters()), expected, strict=True):
+        got, want = got.flatten() * 2.0**40, want.flatten() * 2.0**40  # cosine_similarity's eps is 1e-8
+        assert torch.nn.functional.cosine_similarity(got, want, dim=0) > 0.95

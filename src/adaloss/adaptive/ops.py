@@ -591,6 +591,12 @@ class ScaledGEMM(torch.autograd.Function):
                 x = round_to_format(x, fmt)
             weight = round_to_format(weight, fmt)
             bias = round_to_format(bias, fmt) if bias is not None else None
+        # With an FP8 recipe's quantizer (precision.grad_scaling) the weight and bias gradients are stored
+        # through it, each at a site of its own, as the plain emulation stores them (None: plain rounding).
+        sites = (None, None)
+        if emu is not None and emu.grad_quantizer is not None and record:
+            sites = (emu.grad_site(weight), emu.grad_site(bias) if bias is not None else None)
+        ctx.sites = sites
         if spec["kind"] == "linear":
             y = F.linear(x, weight, bias)
         elif spec["kind"] == "conv":
@@ -644,7 +650,10 @@ class ScaledGEMM(torch.autograd.Function):
         scaled = delta
         if need_x and not _is_one(beta):
             scaled = delta * (beta if isinstance(beta, float) else beta.to(delta.dtype))
-            if grad_fmt is not None:
+            # Stored in the gradient format. Under a quantizer's scales ``delta`` is already a stored value
+            # (payload times its scale), and ``beta * delta`` is that payload with the scale times beta, a
+            # power of two: rounding it again without the scale would flush what the scale kept.
+            if grad_fmt is not None and ctx.sites[0] is None:
                 scaled = round_to_format(scaled, grad_fmt)
         if spec["kind"] == "linear":
             if need_x:
@@ -666,9 +675,9 @@ class ScaledGEMM(torch.autograd.Function):
             if point.feeds is not None:
                 state.current.fresh[point.feeds] = grad_x
         if need_w:
-            grad_w = _to_root(grad_w, grad_fmt, ctx.w_dtype, to_root)
+            grad_w = _to_root(grad_w, grad_fmt, ctx.w_dtype, to_root, ctx.sites[0])
             if grad_b is not None:
-                grad_b = _to_root(grad_b, grad_fmt, ctx.w_dtype, to_root)
+                grad_b = _to_root(grad_b, grad_fmt, ctx.w_dtype, to_root, ctx.sites[1])
         return grad_x, grad_w, grad_b, None, None, None, None
 
 
@@ -693,12 +702,17 @@ def gemm_beta(
 
 
 def _to_root(
-    grad: torch.Tensor, grad_fmt: Any, master: torch.dtype, to_root: torch.Tensor | float
+    grad: torch.Tensor,
+    grad_fmt: Any,
+    master: torch.dtype,
+    to_root: torch.Tensor | float,
+    site: Any = None,
 ) -> torch.Tensor:
-    """A parameter gradient computed from ``delta``: rounded to the gradient format, cast to the master
+    """A parameter gradient computed from ``delta``: stored in the gradient format (through ``site``'s
+    quantizer under an FP8 recipe, :func:`adaloss.numerics.quantizers.quantize_grad`), cast to the master
     dtype and multiplied by ``alpha_{N+1} / alpha_j`` (in place: every tensor here is fresh)."""
     if grad_fmt is not None:
-        grad = round_to_format(grad, grad_fmt)
+        grad = quantize_grad(grad, grad_fmt, site)
     if grad.dtype != master:
         grad = grad.to(master)
     elif grad._base is not None:
