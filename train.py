@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parent
 CONFIG_DIR = ROOT / "configs"
 # configs/paths/default.yaml reads the repository root from here, wherever train.py is launched from.
 os.environ.setdefault("ADALOSS_ROOT", str(ROOT))
+import adaloss  # noqa: E402,F401 - stores the config schemas (adaloss.schemas) in Hydra's ConfigStore
 
 #: Exit status for bad input (as argparse uses for a bad command line).
 BAD_INPUT = 2

@@ -26,6 +26,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
+import adaloss  # noqa: F401 - stores the config schemas in Hydra's ConfigStore
+
 ROOT = Path(__file__).resolve().parents[1]
 SNAPSHOT = ROOT / "tests" / "data" / "config_snapshot.json"
 _ROOT_MARK = "/ROOT"
@@ -118,7 +120,33 @@ _NOT_EXPANDED = ("seed",)
 
 #: Keys the typed configs add to a resolved config, with the value they must have. ``None`` as the value of
 #: a key ending in ``.*`` allows anything under that prefix (a group's own ``_target_``).
-NEW_KEYS: dict[str, Any] = {}
+NEW_KEYS: dict[str, Any] = {
+    "dynamic_recipe.rule": "torch",  # the dynamic scaler's rule and interval, default in one place
+    "dynamic_recipe.growth_interval": 2000,
+    "optimizer.decay_bias": True,  # the optimizers' parameter-group settings (voc's recipe sets them)
+    "optimizer.bias_lr_factor": 1.0,
+    "schedule.warmup_unless_batch_size": None,  # multistep's (voc's recipe sets them)
+    "schedule.batch_size": None,
+    "scaler.u_min": None,  # the adaptive scaler's optional format bounds (null: the format's)
+    "scaler.u_max": None,
+    "dataset.mean": None,  # digits and synthetic are not normalized
+    "dataset.std": None,
+    "dataset.translate": 2,  # digits' augmentation shift, read by the builder with this default
+    "dataset.channels": 3,  # synthetic's, read by the builder with these defaults
+    "dataset.noise": 1.0,
+    "dataset.stdlib": None,  # pystdlib: another folder of sources (tests); null: this Python's
+    "model.vocab_size": None,  # a GPT's: null follows the dataset
+    "model.block_size": None,
+}
+
+#: Keys a command deliberately lost: the other schedule's settings a recipe set, which the schedule never took
+#: (they were left out with a warning when it was built; the typed schedule has no such key).
+GONE: dict[str, set[str]] = {
+    "schedule=cosine": {"schedule.milestones", "schedule.gamma"},
+    "model=gpt dataset=pystdlib model.n_layer=6 dataset.block_size=128 optimizer=sgd schedule=multistep": {
+        "schedule.final_factor"
+    },
+}
 
 
 def _compose(overrides: Sequence[str], hydra_cfg: bool = False) -> Any:
@@ -147,8 +175,10 @@ def resolved(overrides: Sequence[str]) -> dict[str, Any]:
     try:
         cfg = _compose(overrides)
         with open_dict(cfg):
-            del cfg.paths["output_dir"]
+            cfg.paths.output_dir = "<only in a launched job>"
         container = OmegaConf.to_container(cfg, resolve=True)
+        assert isinstance(container, dict)
+        del container["paths"]["output_dir"]
     finally:
         if old is None:
             os.environ.pop("ADALOSS_ROOT", None)
@@ -231,7 +261,7 @@ def _differences(expected: dict[str, Any], actual: dict[str, Any]) -> list[str]:
         elif key not in expected:
             if key not in NEW_KEYS or NEW_KEYS[key] != actual[key]:
                 problems.append(f"{key}: new ({actual[key]!r})")
-        elif json.dumps(expected[key], default=str) != json.dumps(actual[key], default=str):
+        elif expected[key] != actual[key]:  # 128 and 128.0 are the same setting (a typed field is a float)
             problems.append(f"{key}: {expected[key]!r} -> {actual[key]!r}")
     return problems
 
@@ -245,7 +275,10 @@ def test_snapshot_covers_every_command() -> None:
 @pytest.mark.parametrize("overrides", all_commands(), ids=_key)
 def test_documented_command_resolves_as_before(overrides: tuple[str, ...]) -> None:
     snapshot = json.loads(SNAPSHOT.read_text())
-    problems = _differences(_expected(snapshot, _key(overrides)), resolved(overrides))
+    expected = _expected(snapshot, _key(overrides))
+    for key in GONE.get(_key(overrides), ()):
+        expected.pop(key)
+    problems = _differences(expected, resolved(overrides))
     assert not problems, "\n".join(problems)
 
 
