@@ -88,7 +88,11 @@ def number(
     below = value <= low if low_open else value < low
     above = value >= high if high_open else value > high
     if below or above:
-        if high == math.inf:
+        if integer and low == 1 and high == math.inf:
+            raise FieldError(name, f"must be a positive integer, got {value!r}", example)
+        if low_open and high_open:
+            bounds = f"between {_fmt(low)} and {_fmt(high)} (exclusive)"
+        elif high == math.inf:
             bounds = f"> {_fmt(low)}" if low_open else f">= {_fmt(low)}"
         elif low == -math.inf:
             bounds = f"< {_fmt(high)}" if high_open else f"<= {_fmt(high)}"
@@ -111,7 +115,11 @@ def choice(obj: Any, name: str, choices: tuple[str, ...]) -> None:
 def each(obj: Any, name: str, example: Any, **bounds: Any) -> None:
     """Every entry of the list ``obj.<name>`` as :func:`number` checks a single value."""
     values = getattr(obj, name)
-    for value in values if isinstance(values, list | tuple) or hasattr(values, "__iter__") and not isinstance(values, str) else ():
+    for value in (
+        values
+        if isinstance(values, list | tuple) or hasattr(values, "__iter__") and not isinstance(values, str)
+        else ()
+    ):
         holder = type("Entry", (), {name: value})
         try:
             number(holder, name, example, **bounds)
@@ -148,7 +156,8 @@ class TrainerConf:
         positive_int(self, "max_steps", 1000, optional=True)
         if (self.steps is None) == (self.epochs is None) and not _unset(self.steps):
             raise FieldError(
-                "steps", f"and trainer.epochs: set exactly one (got steps={self.steps}, epochs={self.epochs})",
+                "steps",
+                f"and trainer.epochs: set exactly one (got steps={self.steps}, epochs={self.epochs})",
                 "null and trainer.epochs=90",
             )  # fmt: skip
         positive_int(self, "steps", 64000, optional=True)
@@ -249,7 +258,6 @@ class TrainConf:
     logger: Any = MISSING
 
 
-
 # ---------------------------------------------------------------------------------------------- groups
 
 
@@ -264,7 +272,7 @@ class PartConf:
 
 @dataclass
 class CustomConf(PartConf):
-    """``<group>=custom``: a class of the user's (``_target_``) with the keys it takes (``+<group>.<key>``)."""
+    """``<group>=custom``: a class of the user's (``_target_``) and the keys it takes (``+<group>.<key>``)."""
 
     OPEN: ClassVar[bool] = True
     name: str = meta("custom")
@@ -462,7 +470,9 @@ class MultiStepConf(ScheduleConf):
         choice(self, "warmup", ("constant", "linear"))
         positive_int(self, "warmup_unless_batch_size", 32, optional=True)
         if self.warmup_unless_batch_size is not None and self.batch_size is None:
-            raise FieldError("batch_size", "must be set with schedule.warmup_unless_batch_size", "${trainer.batch_size}")
+            raise FieldError(
+                "batch_size", "must be set with schedule.warmup_unless_batch_size", "${trainer.batch_size}"
+            )
 
 
 @dataclass
@@ -630,14 +640,14 @@ class CustomDatasetConf(DatasetConf):
 
 @dataclass
 class ImageDatasetConf(DatasetConf):
-    num_classes: int = 10
-    image_size: int = 32
+    num_classes: int | None = None  # null: the dataset's own (10 for CIFAR-10, ...)
+    image_size: int | None = None  # null: the dataset's own
     mean: list[float] | None = None
     std: list[float] | None = None
 
     def __post_init__(self) -> None:
-        positive_int(self, "num_classes", 10)
-        positive_int(self, "image_size", 32)
+        positive_int(self, "num_classes", 10, optional=True)
+        positive_int(self, "image_size", 32, optional=True)
         each(self, "mean", "[0.5,0.5,0.5]")
         each(self, "std", "[0.5,0.5,0.5]", low=0.0, low_open=True)
 
@@ -653,8 +663,6 @@ class CifarConf(ImageDatasetConf):
 class ImageNetConf(ImageDatasetConf):
     _target_: str = "adaloss.data.datasets.imagenet"
     name: str = "imagenet"
-    num_classes: int = 1000
-    image_size: int = 224
 
 
 @dataclass
@@ -663,7 +671,7 @@ class DigitsConf(ImageDatasetConf):
     name: str = "digits"
     test_fraction: float = 0.2
     split_seed: int = 0
-    augment: bool = True
+    augment: bool = False
     translate: int = 2
 
     def __post_init__(self) -> None:
@@ -678,8 +686,8 @@ class SyntheticConf(ImageDatasetConf):
     _target_: str = "adaloss.data.datasets.synthetic"
     name: str = "synthetic"
     channels: int = 3
-    train_size: int = 512
-    test_size: int = 128
+    train_size: int = 1024
+    test_size: int = 256
     seed: int = 0
     noise: float = 1.0
 
@@ -839,6 +847,111 @@ def arguments(node: Any) -> dict[str, Any]:
     return {str(k): v for k, v in items.items() if k not in skip}
 
 
+def typed(group: str, cfg: Any) -> Any:
+    """``cfg`` as its schema types it, for building: a composed node already is; a plain mapping with a
+    ``name`` and no ``_target_`` (a library call, ``build_scaler({"name": "fixed", "scale": 8})``) gets the
+    schema of that name, ``schema/<group>/<name>``; a mapping with its own ``_target_`` stays as it is (the
+    target's signature checks it). The result is checked (:func:`check_node`). ``ConfigError`` for an
+    unknown name, a key the schema lacks, a wrong type or a value out of range."""
+    if schema_of(cfg) is not None:
+        check_node(cfg, group)
+        return cfg
+    if not isinstance(cfg, DictConfig | dict):
+        raise ConfigError(f"{group} must be a config with a name, got {cfg!r}; e.g. {group}=<option>")
+    items = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+    assert isinstance(items, dict)
+    if "_target_" in items:
+        return OmegaConf.create(items)
+    name = str(items.get("name") or "").strip().lower()
+    options = (
+        _schema_names(group) if group not in _SINGLE else dict.fromkeys(_SINGLE_NAMES[group], _SINGLE[group])
+    )
+    if name not in options:
+        shown = items.get("name")
+        raise ConfigError(f"unknown {group} {shown!r}; choose {group}= one of {', '.join(options)}")
+    kind = options[name]
+    if "name" not in _fields(kind):
+        items.pop("name", None)
+    unknown = sorted(str(k) for k in items if k not in _fields(kind))
+    if unknown:
+        known = ", ".join(k for k in _fields(kind) if not k.startswith("_") and k != "name") or "none"
+        raise ConfigError(f"{group}={name} has no field(s) {', '.join(unknown)}; its fields are: {known}")
+    if "name" in _fields(kind):
+        items["name"] = name
+    items = {**_standalone_defaults(kind, items), **items}
+    try:
+        node = OmegaConf.merge(OmegaConf.structured(kind), items)
+    except Exception as error:  # noqa: BLE001 - OmegaConf's type errors: one line naming the key
+        key = getattr(error, "full_key", "") or group
+        raise ConfigError(f"{group}.{key}: {str(error).splitlines()[0]}") from None
+    check_node(node, group)
+    return node
+
+
+def _standalone_defaults(kind: type, items: dict[str, Any]) -> dict[str, Any]:
+    """For a node outside a composed config: the target's own defaults of the fields whose schema default
+    points elsewhere in the config (``update_every: ${adaptive_recipe.update_every}``)."""
+    import inspect
+
+    from hydra.utils import get_object
+
+    interpolated = [f for f in dataclasses.fields(kind) if _unset(f.default) and f.default != MISSING]
+    if not interpolated or not isinstance(items.get("_target_", _fields(kind)["_target_"].default), str):
+        return {}
+    try:
+        params = inspect.signature(
+            get_object(items.get("_target_", _fields(kind)["_target_"].default))
+        ).parameters
+    except Exception:  # noqa: BLE001 - not importable: building it says so
+        return {}
+    return {
+        f.name: params[f.name].default
+        for f in interpolated
+        if f.name not in items and f.name in params and params[f.name].default is not inspect.Parameter.empty
+    }
+
+
+def _schema_names(group: str) -> dict[str, type]:
+    """``name -> schema`` of the group's options that a name alone selects (their ``name`` default), and
+    the schema names themselves."""
+    found: dict[str, type] = {}
+    for g, schema_name, kind in SCHEMAS:
+        if g != group or getattr(kind, "OPEN", False):
+            continue
+        found.setdefault(schema_name, kind)
+        default = next((f.default for f in dataclasses.fields(kind) if f.name == "name"), MISSING)
+        if isinstance(default, str) and default != MISSING:
+            found.setdefault(default, kind)
+    found.update({alias: found[target] for alias, target in _ALIASES.get(group, {}).items()})
+    return found
+
+
+#: Groups with one schema for every option, and their options' names (an argument: the format).
+_SINGLE = {"precision": PrecisionConf}
+_SINGLE_NAMES = {"precision": ("fp32", "fp16", "bf16", "fp8_e5m2", "fp8_e4m3")}
+#: Names that share a schema with another (CIFAR-100 is built as CIFAR-10 is).
+_ALIASES = {"dataset": {"cifar10": "cifar", "cifar100": "cifar"}}
+
+
+def _fixed_name(spec: dataclasses.Field) -> str | None:
+    """The name a schema gives its one option (``none`` for NoScalerConf), or None where the option's
+    YAML names it (``resnet20``, ``resnet56``, ...) or the user does (``custom``)."""
+    default = spec.default
+    return default if isinstance(default, str) and default not in (MISSING, "custom") else None
+
+
+def _option_names(group: str) -> set[str]:
+    return {name for g, name, _ in SCHEMAS if g == group} | set(_ALIASES.get(group, {}))
+
+
+def check_node(node: DictConfig, group: str) -> None:
+    """One group's node against its schema (:func:`check_config` for a whole config)."""
+    kind = schema_of(node)
+    if kind is not None:
+        _check_keys(node, kind, group)
+        _check_ranges(node, kind, group)
+
+
 def check_config(cfg: DictConfig) -> None:
     """Every group and section against its schema: keys it does not declare (``+scaler.bogus=1``; the
     ``custom`` options excepted) and every ``__post_init__`` range check. ``ConfigError`` naming the key
@@ -889,6 +1002,12 @@ def _check_ranges(node: DictConfig, kind: type, prefix: str) -> None:
             seed = node.seed
             if not -(2**63) <= seed < 2**64:
                 raise FieldError("seed", f"must be a 64-bit integer, got {seed}", 0)
+        elif (fixed := _fields(kind).get("name")) is not None and _fixed_name(fixed) not in (None, node.name):
+            options = ", ".join(n for n in _schema_names(prefix) if n in _option_names(prefix))
+            raise ConfigError(
+                f"unknown {prefix} '{node.name}' ({prefix}.name names the option; this one is "
+                f"{_fixed_name(fixed)}): choose {prefix}= one of {options or _fixed_name(fixed)}"
+            )
         elif getattr(kind, "OPEN", False):  # keys beyond the schema go to the target: its signature decides
             values = OmegaConf.to_container(node, resolve=True)
             assert isinstance(values, dict)
@@ -898,7 +1017,8 @@ def _check_ranges(node: DictConfig, kind: type, prefix: str) -> None:
     except FieldError as error:
         key = f"{prefix}.{error.field}" if prefix else error.field
         fix_key = key.removesuffix(" entries")
-        raise ConfigError(f"{key} {error.problem}; e.g. {fix_key}={error.example}") from None
+        sep = "" if error.problem.startswith("=") else " "
+        raise ConfigError(f"{key}{sep}{error.problem}; e.g. {fix_key}={error.example}") from None
     except ConfigError:
         raise
     except Exception as error:  # an interpolation that does not resolve, a value of the wrong type

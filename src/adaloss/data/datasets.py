@@ -350,3 +350,34 @@ def build_datasets(cfg: Any, data_dir: str | os.PathLike[str]) -> tuple[Dataset,
     if name == "synthetic":
         return _build_synthetic(cfg)
     raise ConfigError(f"unknown dataset '{name}': choose one of {', '.join(DATASET_NAMES)}")
+
+
+# ------------------------------------------------------------------------- the configs' _target_s
+# configs/dataset/<name>.yaml names one of these; adaloss.utils.targets.build_target calls it with the
+# dataset node's fields and paths.data_dir.
+
+
+def _given(fields: dict[str, Any]) -> dict[str, Any]:
+    """The fields a config sets: a null means the builder's own default (``val_windows: null`` excepted, which
+    means every window)."""
+    return {k: v for k, v in fields.items() if v is not None or k == "val_windows"}
+
+
+def cifar(data_dir: str | os.PathLike[str] = ".", **fields: Any) -> tuple[Dataset, Dataset, DatasetInfo]:
+    """``dataset=cifar10`` / ``cifar100`` (``fields["name"]``): see :func:`build_datasets`."""
+    return _build_cifar(_given(fields), str(fields.get("name")), Path(data_dir).expanduser().resolve())
+
+
+def imagenet(data_dir: str | os.PathLike[str] = ".", **fields: Any) -> tuple[Dataset, Dataset, DatasetInfo]:
+    """``dataset=imagenet``: ImageFolder ``imagenet/train`` and ``imagenet/val`` under ``data_dir``."""
+    return _build_imagenet(_given(fields), Path(data_dir).expanduser().resolve())
+
+
+def digits(**fields: Any) -> tuple[Dataset, Dataset, DatasetInfo]:
+    """``dataset=digits``: scikit-learn's bundled digits."""
+    return _build_digits(_given(fields))
+
+
+def synthetic(**fields: Any) -> tuple[Dataset, Dataset, DatasetInfo]:
+    """``dataset=synthetic``: seeded class templates plus noise."""
+    return _build_synthetic(_given(fields))

@@ -248,3 +248,22 @@ def build_text_datasets(cfg: Any, data_dir: str | os.PathLike[str]) -> tuple[Dat
     if name == "tokens":
         return _build_tokens(cfg, Path(data_dir).expanduser().resolve())
     raise ConfigError(f"unknown text dataset '{name}': choose one of {', '.join(TEXT_DATASET_NAMES)}")
+
+
+# ------------------------------------------------------------------------- the configs' _target_s
+
+
+def _given(fields: dict[str, Any]) -> dict[str, Any]:
+    """The fields a config sets: a null means the builder's own default (``val_windows: null`` excepted, which
+    means every window)."""
+    return {k: v for k, v in fields.items() if v is not None or k == "val_windows"}
+
+
+def pystdlib(**fields: Any) -> tuple[Dataset, Dataset, TextInfo]:
+    """``dataset=pystdlib`` (the config's ``_target_``)."""
+    return _build_pystdlib(_given(fields))
+
+
+def tokens(data_dir: str | os.PathLike[str] = ".", **fields: Any) -> tuple[Dataset, Dataset, TextInfo]:
+    """``dataset=tokens`` (the config's ``_target_``): ``train.bin``/``val.bin`` under ``data_dir``."""
+    return _build_tokens(_given(fields), Path(data_dir).expanduser().resolve())
