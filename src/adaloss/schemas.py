@@ -54,6 +54,11 @@ def meta(default: Any = MISSING, **kwargs: Any) -> Any:
     return field(default=default, metadata={"argument": False})
 
 
+def if_set() -> Any:
+    """A field passed to the target only when it is not null (a custom option's settings a recipe sets)."""
+    return field(default=None, metadata={"argument": "if set"})
+
+
 def _unset(value: Any) -> bool:
     """Not a value yet: an interpolation or MISSING (the dataclass default, before Hydra merges a config;
     checked again once resolved)."""
@@ -157,7 +162,8 @@ class TrainerConf:
         if (self.steps is None) == (self.epochs is None) and not _unset(self.steps):
             raise FieldError(
                 "steps",
-                f"and trainer.epochs: set exactly one (got steps={self.steps}, epochs={self.epochs})",
+                f": set exactly one of trainer.steps and trainer.epochs (got steps={self.steps}, "
+                f"epochs={self.epochs})",
                 "null and trainer.epochs=90",
             )  # fmt: skip
         positive_int(self, "steps", 64000, optional=True)
@@ -406,6 +412,9 @@ class OptimizerConf(PartConf):
 class CustomOptimizerConf(OptimizerConf):
     OPEN: ClassVar[bool] = True
     name: str = meta("custom")
+    # what every recipe sets (configs/recipe/): passed to the optimizer when set
+    lr: Any = if_set()
+    weight_decay: Any = if_set()
 
 
 @dataclass
@@ -704,7 +713,7 @@ class ShapesConf(DatasetConf):
     _target_: str = "adaloss.data.shapes.shapes"
     name: str = "shapes"
     num_classes: int = 3
-    image_size: int = "${model.image_size}"  # type: ignore[assignment]
+    image_size: int | None = "${model.image_size}"  # type: ignore[assignment]
     train_size: int = 4096
     test_size: int = 256
     seed: int = 0
@@ -712,8 +721,9 @@ class ShapesConf(DatasetConf):
     max_objects: int = 4
 
     def __post_init__(self) -> None:
-        for key in ("num_classes", "image_size", "train_size", "test_size", "min_objects", "max_objects"):
+        for key in ("num_classes", "train_size", "test_size", "min_objects", "max_objects"):
             positive_int(self, key, 4)
+        positive_int(self, "image_size", 128, optional=True)
         if not _unset(self.image_size) and self.max_objects < self.min_objects:
             raise FieldError("max_objects", f"must be >= dataset.min_objects ({self.min_objects})", 4)
 
@@ -723,9 +733,10 @@ class VOCConf(DatasetConf):
     _target_: str = "adaloss.data.voc.voc"
     name: str = "voc"
     num_classes: int = 20
-    image_size: int = "${model.image_size}"  # type: ignore[assignment]
-    train_sets: list[list[Any]] = field(default_factory=lambda: [[2007, "trainval"], [2012, "trainval"]])
-    test_set: list[Any] = field(default_factory=lambda: [2007, "test"])
+    image_size: int | None = "${model.image_size}"  # type: ignore[assignment]
+    # [year, image set] pairs (the builder checks their shape and names the fix)
+    train_sets: Any = field(default_factory=lambda: [[2007, "trainval"], [2012, "trainval"]])
+    test_set: Any = field(default_factory=lambda: [2007, "test"])
     augment: bool = True
     use_difficult: bool = False
     mean: list[float] | None = None
@@ -734,13 +745,13 @@ class VOCConf(DatasetConf):
 
 @dataclass
 class TextDatasetConf(DatasetConf):
-    block_size: int = 64
-    stride: int = 1
+    block_size: int = 128
+    stride: int | None = 1
     val_windows: int | None = 256
 
     def __post_init__(self) -> None:
         positive_int(self, "block_size", 64)
-        positive_int(self, "stride", 1)
+        positive_int(self, "stride", 1, optional=True)
         positive_int(self, "val_windows", 256, optional=True)
 
 
@@ -763,8 +774,7 @@ class TokensConf(TextDatasetConf):
     folder: str = "tokens"
     vocab_size: int | None = None
     block_size: int = 1024
-    stride: int = 1024
-    val_windows: int | None = 3200
+    stride: int | None = None  # null: block_size (non-overlapping windows)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -841,10 +851,14 @@ def arguments(node: Any) -> dict[str, Any]:
     """The keys of a group's node that are arguments of its ``_target_`` (plus ``_target_``/``_partial_``),
     resolved to plain values: the schema's ``meta()`` fields are left out."""
     kind = schema_of(node)
-    skip = {n for n, f in _fields(kind).items() if f.metadata.get("argument") is False} if kind else {"name"}
+    specs = _fields(kind) if kind else {}
+    skip = {n for n, f in specs.items() if f.metadata.get("argument") is False} if kind else {"name"}
+    optional = {n for n, f in specs.items() if f.metadata.get("argument") == "if set"}
     items = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)
     assert isinstance(items, dict)
-    return {str(k): v for k, v in items.items() if k not in skip}
+    return {
+        str(k): v for k, v in items.items() if k not in skip and not (k in optional and v is None)
+    }
 
 
 def typed(group: str, cfg: Any) -> Any:
@@ -857,7 +871,7 @@ def typed(group: str, cfg: Any) -> Any:
         check_node(cfg, group)
         return cfg
     if not isinstance(cfg, DictConfig | dict):
-        raise ConfigError(f"{group} must be a config with a name, got {cfg!r}; e.g. {group}=<option>")
+        raise ConfigError(f"{group} must be a config group with a name, got {cfg!r}; e.g. {group}=<option>")
     items = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
     assert isinstance(items, dict)
     if "_target_" in items:
@@ -868,7 +882,8 @@ def typed(group: str, cfg: Any) -> Any:
     )
     if name not in options:
         shown = items.get("name")
-        raise ConfigError(f"unknown {group} {shown!r}; choose {group}= one of {', '.join(options)}")
+        names = [n for n in options if n in _option_names(group, named=True)] or list(options)
+        raise ConfigError(f"unknown {group} {shown!r}; choose {group}= one of {', '.join(names)}")
     kind = options[name]
     if "name" not in _fields(kind):
         items.pop("name", None)
@@ -881,11 +896,26 @@ def typed(group: str, cfg: Any) -> Any:
     items = {**_standalone_defaults(kind, items), **items}
     try:
         node = OmegaConf.merge(OmegaConf.structured(kind), items)
+        _drop_dangling(node)
     except Exception as error:  # noqa: BLE001 - OmegaConf's type errors: one line naming the key
         key = getattr(error, "full_key", "") or group
         raise ConfigError(f"{group}.{key}: {str(error).splitlines()[0]}") from None
     check_node(node, group)
     return node
+
+
+def _drop_dangling(node: DictConfig) -> None:
+    """Outside a composed config, a schema default that points elsewhere in it (``${model.image_size}``,
+    ``${name}``) becomes null: the builder's own default."""
+    for key in list(node.keys()):
+        child = node._get_node(key)
+        if isinstance(child, DictConfig):
+            _drop_dangling(child)
+        elif OmegaConf.is_interpolation(node, key):
+            try:
+                node[key]
+            except Exception:  # noqa: BLE001 - does not resolve here
+                node[key] = None
 
 
 def _standalone_defaults(kind: type, items: dict[str, Any]) -> dict[str, Any]:
@@ -940,8 +970,17 @@ def _fixed_name(spec: dataclasses.Field) -> str | None:
     return default if isinstance(default, str) and default not in (MISSING, "custom") else None
 
 
-def _option_names(group: str) -> set[str]:
-    return {name for g, name, _ in SCHEMAS if g == group} | set(_ALIASES.get(group, {}))
+def _option_names(group: str, named: bool = False) -> set[str]:
+    """The schema names of ``group`` (``named``: the names its options go by instead: each schema's ``name``
+    default, and the aliases)."""
+    if not named:
+        return {name for g, name, _ in SCHEMAS if g == group} | set(_ALIASES.get(group, {}))
+    found = set(_ALIASES.get(group, {}))
+    for g, _, kind in SCHEMAS:
+        default = _fields(kind)["name"].default if g == group and "name" in _fields(kind) else None
+        if isinstance(default, str) and default not in (MISSING, "custom"):
+            found.add(default)
+    return found
 
 
 def check_node(node: DictConfig, group: str) -> None:
@@ -969,7 +1008,8 @@ def check_config(cfg: DictConfig) -> None:
                 )
             continue
         _check_keys(node, kind, section)
-        _check_ranges(node, kind, section)
+        if section != "paths":  # nothing to range-check; output_dir resolves only in a launched job
+            _check_ranges(node, kind, section)
 
 
 def _check_keys(node: DictConfig, kind: type, prefix: str) -> None:
@@ -990,13 +1030,18 @@ def _check_keys(node: DictConfig, kind: type, prefix: str) -> None:
             )
     for key in node.keys():
         child = node._get_node(key)
-        if not prefix and key in GROUPS + SECTIONS:
-            continue  # checked on their own
+        if not prefix and key in (*GROUPS, *SECTIONS, "hydra"):
+            continue  # checked on their own (and Hydra's own node by Hydra)
         if isinstance(child, DictConfig) and schema_of(child) is not None:
             _check_keys(child, schema_of(child), f"{prefix}.{key}" if prefix else str(key))
 
 
 def _check_ranges(node: DictConfig, kind: type, prefix: str) -> None:
+    if prefix:  # nested schemas first, so that a message names the full key (logger.wandb.mode)
+        for key in node.keys():
+            child = node._get_node(key)
+            if isinstance(child, DictConfig) and schema_of(child) is not None and key != "hydra":
+                _check_ranges(child, schema_of(child), f"{prefix}.{key}")
     try:
         if not prefix:  # the top level's own fields; the groups and sections are checked on their own
             seed = node.seed
@@ -1017,7 +1062,7 @@ def _check_ranges(node: DictConfig, kind: type, prefix: str) -> None:
     except FieldError as error:
         key = f"{prefix}.{error.field}" if prefix else error.field
         fix_key = key.removesuffix(" entries")
-        sep = "" if error.problem.startswith("=") else " "
+        sep = "" if error.problem.startswith(("=", ":")) else " "
         raise ConfigError(f"{key}{sep}{error.problem}; e.g. {fix_key}={error.example}") from None
     except ConfigError:
         raise
