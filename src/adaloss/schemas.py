@@ -644,7 +644,7 @@ class DatasetConf:
 @dataclass
 class CustomDatasetConf(DatasetConf):
     OPEN: ClassVar[bool] = True
-    name: str = "custom"
+    name: str = meta("custom")  # what runs and tables call it; not an argument of the user's target
 
 
 @dataclass
@@ -856,9 +856,7 @@ def arguments(node: Any) -> dict[str, Any]:
     optional = {n for n, f in specs.items() if f.metadata.get("argument") == "if set"}
     items = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)
     assert isinstance(items, dict)
-    return {
-        str(k): v for k, v in items.items() if k not in skip and not (k in optional and v is None)
-    }
+    return {str(k): v for k, v in items.items() if k not in skip and not (k in optional and v is None)}
 
 
 def typed(group: str, cfg: Any) -> Any:
@@ -967,7 +965,8 @@ def _fixed_name(spec: dataclasses.Field) -> str | None:
     """The name a schema gives its one option (``none`` for NoScalerConf), or None where the option's
     YAML names it (``resnet20``, ``resnet56``, ...) or the user does (``custom``)."""
     default = spec.default
-    return default if isinstance(default, str) and default not in (MISSING, "custom") else None
+    named = isinstance(default, str) and default not in (MISSING, "custom") and not _unset(default)
+    return default if named else None
 
 
 def _option_names(group: str, named: bool = False) -> set[str]:
@@ -1047,7 +1046,11 @@ def _check_ranges(node: DictConfig, kind: type, prefix: str) -> None:
             seed = node.seed
             if not -(2**63) <= seed < 2**64:
                 raise FieldError("seed", f"must be a 64-bit integer, got {seed}", 0)
-        elif (fixed := _fields(kind).get("name")) is not None and _fixed_name(fixed) not in (None, node.name):
+        elif (
+            prefix in GROUPS
+            and (fixed := _fields(kind).get("name"))
+            and _fixed_name(fixed) not in (None, node.name)
+        ):
             options = ", ".join(n for n in _schema_names(prefix) if n in _option_names(prefix))
             raise ConfigError(
                 f"unknown {prefix} '{node.name}' ({prefix}.name names the option; this one is "
