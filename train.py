@@ -259,7 +259,11 @@ def describe_hydra_error(error: Exception) -> str:
         )
     cause = error.__cause__ or error.__context__
     within = re.match(r"In '((?:recipe|experiment|variant|cluster)/[^']+)'", str(error))
-    if within and isinstance(cause, ConfigAttributeError | ConfigKeyError) and getattr(cause, "full_key", None):
+    if (
+        within
+        and isinstance(cause, ConfigAttributeError | ConfigKeyError)
+        and getattr(cause, "full_key", None)
+    ):
         # a recipe setting a key the chosen option lacks (recipe=shapes sets an SSD's model.image_size)
         return f"{within.group(1)} sets {cause.full_key}: " + _unknown_key(str(cause.full_key), cause, None)
     if isinstance(cause, ValidationError) and getattr(cause, "full_key", None):

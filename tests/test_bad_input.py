@@ -215,7 +215,9 @@ VALUE_CASES: list = [
     # names set by key rather than by group option (Hydra cannot check these)
     pytest.param(["scaler.name=adaptve"], ["unknown scaler 'adaptve'", "scaler= one of"], id="scaler-name"),
     pytest.param(
-        ["precision.name=fp12"], ["precision.name must be one of fp32, fp16", "got 'fp12'"], id="precision-name"
+        ["precision.name=fp12"],
+        ["precision.name must be one of fp32, fp16", "got 'fp12'"],
+        id="precision-name",
     ),
     pytest.param(["model.name=resnet21"], ["unknown model 'resnet21'", "model= one of"], id="model-name"),
     pytest.param(

@@ -148,7 +148,10 @@ def test_default_groups_are_unchanged() -> None:
     ("override", "message"),
     [
         ("optimizer.bias_lr_factor=0", "optimizer.bias_lr_factor must be a number > 0, got 0"),
-        ("schedule.warmup_unless_batch_size=0", "schedule.warmup_unless_batch_size must be a positive integer"),
+        (
+            "schedule.warmup_unless_batch_size=0",
+            "schedule.warmup_unless_batch_size must be a positive integer",
+        ),
     ],
 )
 def test_bad_recipe_values_are_config_errors(override: str, message: str) -> None:
