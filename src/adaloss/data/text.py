@@ -45,7 +45,6 @@ __all__ = [
     "TEXT_DATASET_NAMES",
     "TextInfo",
     "TokenWindows",
-    "build_text_datasets",
     "pystdlib_files",
     "read_token_folder",
 ]
@@ -232,22 +231,6 @@ def _build_tokens(cfg: Any, data_dir: Path) -> tuple[Dataset, Dataset, TextInfo]
     source = {"folder": str(folder), "train_tokens": len(train), "val_tokens": len(val), **meta}
     info = TextInfo("tokens", int(vocab), 0, 0, len(train_set), len(val_set), int(vocab), block_size, source)
     return train_set, val_set, info
-
-
-def build_text_datasets(cfg: Any, data_dir: str | os.PathLike[str]) -> tuple[Dataset, Dataset, TextInfo]:
-    """``(train windows, validation windows, TextInfo)`` of the text dataset ``cfg.name`` names.
-
-    Fields: ``block_size`` (tokens a sample predicts), ``stride``, ``val_windows``; ``pystdlib``:
-    ``holdout_every``, ``stdlib`` (another folder, for tests); ``tokens``: ``folder``, ``vocab_size``.
-    ``ConfigError`` for invalid fields or missing files. Cost: ``pystdlib`` reads and hashes 4.7 MB (about
-    0.05 s); ``tokens`` maps the files and reads the validation split once (its largest token id).
-    """
-    name = str(_field(cfg, "name"))
-    if name == "pystdlib":
-        return _build_pystdlib(cfg)
-    if name == "tokens":
-        return _build_tokens(cfg, Path(data_dir).expanduser().resolve())
-    raise ConfigError(f"unknown text dataset '{name}': choose one of {', '.join(TEXT_DATASET_NAMES)}")
 
 
 # ------------------------------------------------------------------------- the configs' _target_s
