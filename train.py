@@ -265,7 +265,13 @@ def describe_hydra_error(error: Exception) -> str:
         and getattr(cause, "full_key", None)
     ):
         # a recipe setting a key the chosen option lacks (recipe=shapes sets an SSD's model.image_size)
-        return f"{within.group(1)} sets {cause.full_key}: " + _unknown_key(str(cause.full_key), cause, None)
+        group = str(cause.full_key).split(".", 1)[0]
+        parent = getattr(cause, "parent_node", None)
+        chosen = parent.get("name") if hasattr(parent, "get") and "name" in parent else None
+        which = f", which {group}={chosen} does not have" if chosen else ""
+        return f"{within.group(1)} sets {cause.full_key}{which}: " + _unknown_key(
+            str(cause.full_key), cause, None
+        )
     if isinstance(cause, ValidationError) and getattr(cause, "full_key", None):
         return _wrong_type(str(cause.full_key), cause)
     if isinstance(cause, ConfigAttributeError | ConfigKeyError) and getattr(cause, "full_key", None):

@@ -94,7 +94,9 @@ def number(
     above = value >= high if high_open else value > high
     if below or above:
         if integer and low == 1 and high == math.inf:
-            raise FieldError(name, f"must be a positive integer, got {value!r}", example)
+            raise FieldError(
+                name, f"must be a positive integer{' or null' if optional else ''}, got {value!r}", example
+            )
         if low_open and high_open:
             bounds = f"between {_fmt(low)} and {_fmt(high)} (exclusive)"
         elif high == math.inf:
@@ -186,10 +188,11 @@ class TelemetryConf:
     counterfactual: bool = False
 
     def __post_init__(self) -> None:
-        from adaloss.numerics.formats import FORMATS
-
         positive_int(self, "every", 100)
-        choice(self, "format", tuple(FORMATS))
+        if self.format != TelemetryConf.format:  # the default is one; the formats' module imports torch
+            from adaloss.numerics.formats import FORMATS
+
+            choice(self, "format", tuple(FORMATS))
         number(self, "quantile", 0.01, 0.0, 1.0, low_open=True)
 
 
@@ -247,7 +250,7 @@ class TrainConf:
 
     seed: int = 0
     device: str = "auto"
-    resume: str | None = None
+    resume: Any = None  # null, auto or a checkpoint's path (the run folder's reader checks which)
     name: str = MISSING
     trainer: TrainerConf = field(default_factory=TrainerConf)
     adaptive_recipe: AdaptiveRecipeConf = field(default_factory=AdaptiveRecipeConf)
@@ -580,7 +583,7 @@ class ViTConf(PartConf):
     dim: int = 64
     depth: int = 4
     heads: int = 4
-    mlp_ratio: float = 2
+    mlp_ratio: int = 2
     dropout: float = 0.0
 
     def __post_init__(self) -> None:
@@ -593,14 +596,14 @@ class ViTConf(PartConf):
 @dataclass
 class GPTConf(PartConf):
     _target_: str = "adaloss.models.gpt.GPT"
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 64
+    n_layer: int = MISSING  # set by configs/model/gpt.yaml (4) and gpt2_small.yaml (12)
+    n_head: int = MISSING
+    n_embd: int = MISSING
     dropout: float = 0.0
     bias: bool = True
     tie_weights: bool = True
-    vocab_size: int | None = None  # null: the dataset's
-    block_size: int | None = None  # null: the dataset's
+    vocab_size: int | None = if_set()  # null: the dataset's
+    block_size: int | None = if_set()  # null: the dataset's
 
     def __post_init__(self) -> None:
         for key in ("n_layer", "n_head", "n_embd"):

@@ -119,8 +119,8 @@ def build_target(
     from adaloss.schemas import arguments, schema_of
 
     items = {**(defaults or {}), **(arguments(cfg) if schema_of(cfg) else config_items(cfg))}
-    if schema_of(cfg) is None:
-        items = {k: v for k, v in items.items() if k not in set(metadata)}
+    if schema_of(cfg) is None:  # a plain mapping (a YAML file read as it is: its defaults list is Hydra's)
+        items = {k: v for k, v in items.items() if k not in {*metadata, "defaults"}}
     path = items.get("_target_")
     obj = locate_target(group, path, example)
     special = {k: v for k, v in items.items() if k in _SPECIAL}
