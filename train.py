@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parent
 CONFIG_DIR = ROOT / "configs"
 # configs/paths/default.yaml reads the repository root from here, wherever train.py is launched from.
 os.environ.setdefault("ADALOSS_ROOT", str(ROOT))
+import adaloss  # noqa: E402,F401 - stores the config schemas (adaloss.schemas) in Hydra's ConfigStore
 
 #: Exit status for bad input (as argparse uses for a bad command line).
 BAD_INPUT = 2
@@ -229,7 +230,12 @@ _GRAMMAR = "https://hydra.cc/docs/advanced/override_grammar/basic/"
 def describe_hydra_error(error: Exception) -> str:
     """One line naming what Hydra rejected on the command line and how to fix it."""
     from hydra.errors import MissingConfigException, OverrideParseException
-    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+    from omegaconf.errors import (
+        ConfigAttributeError,
+        ConfigKeyError,
+        OmegaConfBaseException,
+        ValidationError,
+    )
 
     if isinstance(error, MissingConfigException) and error.options is not None and error.missing_cfg_file:
         group, _, option = str(error.missing_cfg_file).rpartition("/")
@@ -251,7 +257,23 @@ def describe_hydra_error(error: Exception) -> str:
             f"cannot parse the override '{override}': {reason}; write key=value and quote a value with "
             f"special characters, e.g. key='a,b' (grammar: {_GRAMMAR})"
         )
-    cause = error.__cause__
+    cause = error.__cause__ or error.__context__
+    within = re.match(r"In '((?:recipe|experiment|variant|cluster)/[^']+)'", str(error))
+    if (
+        within
+        and isinstance(cause, ConfigAttributeError | ConfigKeyError)
+        and getattr(cause, "full_key", None)
+    ):
+        # a recipe setting a key the chosen option lacks (recipe=shapes sets an SSD's model.image_size)
+        group = str(cause.full_key).split(".", 1)[0]
+        parent = getattr(cause, "parent_node", None)
+        chosen = parent.get("name") if hasattr(parent, "get") and "name" in parent else None
+        which = f", which {group}={chosen} does not have" if chosen else ""
+        return f"{within.group(1)} sets {cause.full_key}{which}: " + _unknown_key(
+            str(cause.full_key), cause, None
+        )
+    if isinstance(cause, ValidationError) and getattr(cause, "full_key", None):
+        return _wrong_type(str(cause.full_key), cause)
     if isinstance(cause, ConfigAttributeError | ConfigKeyError) and getattr(cause, "full_key", None):
         appended = re.search(r"use \+(\S+=.*)$", str(error), flags=re.MULTILINE)
         return _unknown_key(str(cause.full_key), cause, appended.group(1) if appended else None)
@@ -266,6 +288,45 @@ def describe_hydra_error(error: Exception) -> str:
     return "; ".join(lines[:4]).replace("\\'", "'") or type(error).__name__
 
 
+def _wrong_type(full_key: str, cause: Any) -> str:
+    """``scaler.scale=abc``: the type the schema wants, what was given, and the value of the default config
+    as the example (``python train.py --cfg job`` shows every default)."""
+    text = _lines(cause)[0] if _lines(cause) else type(cause).__name__
+    default = _default_value(full_key)
+    if isinstance(default, dict):  # trainer=3: a section replaced by a single value
+        first = next(iter(default), "<key>")
+        return (
+            f"{full_key}=... replaces the whole {full_key} section with a single value: write e.g. "
+            f"{full_key}.{first}={_shown(default.get(first, '<value>'))} instead"
+        )
+    wanted = re.search(r"could not be converted to (\w+)|(not a valid bool)", text)
+    given = re.search(r"Value '(.*?)'", text)
+    kinds = {"Integer": "an integer", "Float": "a number", "String": "a string"}
+    what = "true or false" if wanted and wanted.group(2) else kinds.get(wanted.group(1), "") if wanted else ""
+    hint = f"; e.g. {full_key}={_shown(default)}" if default is not None else ""
+    if not what:
+        return f"{full_key}: {text}{hint}"
+    return f"{full_key} must be {what}, got {given.group(1) if given else '?'!r}{hint}"
+
+
+def _shown(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _default_value(full_key: str) -> Any:
+    """What ``full_key`` holds in the default config (``python train.py``), as plain values; None if
+    nothing (or it cannot be composed)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            value = OmegaConf.select(compose(config_name="train"), full_key, throw_on_missing=False)
+        return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+    except Exception:  # noqa: BLE001 - an example is a nicety
+        return None
+
+
 def _lines(error: BaseException) -> list[str]:
     return [line.strip() for line in str(error).splitlines() if line.strip()]
 
@@ -275,7 +336,8 @@ def _unknown_key(full_key: str, cause: Any, override: str | None) -> str:
     the closest existing keys; else the fields the section has."""
     parent_path, _, key = full_key.rpartition(".")
     parent = getattr(cause, "parent_node", None)
-    fields = [str(k) for k in parent.keys() if k != "hydra"] if hasattr(parent, "keys") else []
+    keys = parent.keys() if hasattr(parent, "keys") else []
+    fields = [str(k) for k in keys if k != "hydra" and not str(k).startswith("_")]
     message = f"unknown key '{full_key}'"
     owners = _options_with_key(parent_path, key) if parent_path else []
     close = difflib.get_close_matches(key, fields, n=3, cutoff=0.6)
@@ -317,11 +379,25 @@ def _options_with_key(group: str, key: str) -> list[str]:
             loaded = OmegaConf.load(path)
         except Exception:  # an unreadable option file is Hydra's to report, not ours
             continue
-        if "@package _global_" in path.read_text(errors="replace").split("\n", 1)[0]:
+        text = path.read_text(errors="replace")
+        if "@package _global_" in text.split("\n", 1)[0]:
             loaded = loaded.get(group)
-        if hasattr(loaded, "keys") and key in loaded:
+        if (hasattr(loaded, "keys") and key in loaded) or key in _schema_fields(text, group):
             owners.append(path.stem)
     return owners
+
+
+def _schema_fields(text: str, group: str) -> list[str]:
+    """The fields of the schema an option's file starts from (``- /schema/scaler/fixed@_here_``)."""
+    import dataclasses
+
+    from adaloss.schemas import SCHEMAS
+
+    found = re.search(rf"- /schema/{group}/(\w+)@", text)
+    if found is None:
+        return []
+    kind = next((k for g, n, k in SCHEMAS if g == group and n == found.group(1)), None)
+    return [f.name for f in dataclasses.fields(kind) if not getattr(kind, "OPEN", False)] if kind else []
 
 
 # ------------------------------------------------------------------------------------ leaving no trace

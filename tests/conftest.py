@@ -20,6 +20,8 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, open_dict
 
+import adaloss  # noqa: F401 - stores the config schemas in Hydra's ConfigStore
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = ROOT / "configs"
 os.environ.setdefault("ADALOSS_ROOT", str(ROOT))

@@ -294,7 +294,7 @@ def test_training_with_the_chainer_rule_follows_chainer_and_resumes_exactly(make
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["scaler.rule=apex"], "scaler.rule must be one of torch, chainer for scaler=dynamic, got 'apex'"),
+        (["scaler.rule=apex"], "scaler.rule must be one of torch, chainer, got 'apex'"),
         (["scaler.rule=chainer", "scaler.hysteresis=2"], "scaler.rule=chainer backs off on every overflow"),
         (["scaler.rule=chainer", "scaler.init_scale=1024"], "scaler.rule=chainer starts at scale 1"),
     ],

@@ -52,6 +52,7 @@ def write_run(root: Path, method: str, seed: int, loss: float | None, *, model: 
     else:
         metrics["map"] = 3.0
     (folder / "metrics.json").write_text(json.dumps(metrics))
+    (folder / "done").write_text("")  # finished: the trainer's marker
     with open(folder / "scalars.csv", "w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(["step", "loss"])

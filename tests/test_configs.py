@@ -10,7 +10,18 @@ from adaloss.errors import ConfigError
 from adaloss.utils import resolved_config, schedule_length, validate_config
 from conftest import CONFIG_DIR, compose_train
 
-GROUPS = ("model", "dataset", "scaler", "precision", "optimizer", "schedule", "logger", "paths", "hydra")
+GROUPS = (
+    "model",
+    "dataset",
+    "scaler",
+    "precision",
+    "optimizer",
+    "schedule",
+    "logger",
+    "recipe",
+    "paths",
+    "hydra",
+)
 
 
 def _options(group: str) -> list[str]:
@@ -22,6 +33,7 @@ ALL_OPTIONS = [(group, option) for group in GROUPS for option in _options(group)
 
 def test_every_group_has_the_expected_options() -> None:
     assert _options("model") == [
+        "custom",
         "gpt",
         "gpt2_small",
         "mlp",
@@ -38,6 +50,7 @@ def test_every_group_has_the_expected_options() -> None:
     assert _options("dataset") == [
         "cifar10",
         "cifar100",
+        "custom",
         "digits",
         "imagenet",
         "pystdlib",
@@ -46,11 +59,13 @@ def test_every_group_has_the_expected_options() -> None:
         "tokens",
         "voc",
     ]
-    assert _options("optimizer") == ["adamw", "sgd"]
-    assert _options("schedule") == ["cosine", "multistep"]
-    assert _options("scaler") == ["adaptive", "dynamic", "fixed", "none"]
+    assert _options("optimizer") == ["adamw", "custom", "sgd"]
+    assert _options("schedule") == ["cosine", "custom", "multistep"]
+    assert _options("scaler") == ["adaptive", "custom", "dynamic", "fixed", "none"]
     assert _options("precision") == ["bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2"]
-    assert _options("logger") == ["none", "wandb"]
+    assert _options("logger") == ["custom", "none", "wandb"]
+    # the paper's (and our CPU) recipes, one per dataset, and none
+    assert _options("recipe") == sorted([*(o for o in _options("dataset") if o != "custom"), "none"])
     assert (CONFIG_DIR / "experiment").is_dir()
 
 
@@ -65,19 +80,32 @@ def test_every_option_composes_and_resolves(group: str, option: str) -> None:
             "gpt2_small": "dataset=tokens",
         },
         "dataset": {
-            "shapes": "model=ssd512",
+            "shapes": "model=ssd512 dataset=shapes",
             "voc": "model=ssd300",
-            "pystdlib": "model=gpt",
+            "pystdlib": "model=gpt dataset=pystdlib",
             "tokens": "model=gpt",
+            "custom": "dataset._target_=my_pkg.my_data",
+        },
+        "recipe": {
+            "shapes": "model=ssd512 dataset=shapes",
+            "voc": "model=ssd512 dataset=voc",
+            "pystdlib": "model=gpt dataset=pystdlib",
+            "tokens": "model=gpt dataset=tokens",
         },
     }
+    # a custom option names the user's class
+    partners["model"]["custom"] = "model._target_=torch.nn.Flatten"
+    partners["scaler"] = {"custom": "scaler._target_=adaloss.scalers.NoLossScaler"}
+    partners["optimizer"] = {"custom": "optimizer._target_=torch.optim.RMSprop"}
+    partners["schedule"] = {"custom": "schedule._target_=torch.optim.lr_scheduler.CosineAnnealingLR"}
+    partners["logger"] = {"custom": "logger._target_=adaloss.logging.NullLogger"}
     partner = partners.get(group, {}).get(option)
-    overrides = [f"{group}={option}", *([partner] if partner else [])]
+    overrides = [f"{group}={option}", *(partner.split() if partner else [])]
     cfg = compose_train(overrides, return_hydra_config=(group == "hydra"))
     if group in ("model", "dataset", "scaler", "precision", "optimizer", "schedule"):
         assert cfg[group].name == option
     if group == "logger":
-        assert (cfg.logger.wandb is None) == (option == "none")
+        assert (cfg.logger.wandb is None) == (option != "wandb")
     with open_dict(cfg):
         cfg.paths.output_dir = "/tmp/run"
     validate_config(cfg)
@@ -111,6 +139,8 @@ def test_cifar_recipe_is_he_et_al(dataset: str) -> None:
         "weight_decay": 1e-4,
         "nesterov": False,
         "decay_1d": True,
+        "decay_bias": True,  # the schema's: biases decayed and at the optimizer's lr (voc's recipe differs)
+        "bias_lr_factor": 1.0,
     }
     assert cfg.dataset.augment is True and cfg.dataset.image_size == 32
     full, run = schedule_length(cfg.trainer, iters_per_epoch=390)
@@ -167,7 +197,7 @@ def test_documented_overrides_work_as_spelled() -> None:
         return_hydra_config=True,
     )
     assert cfg.model.name == "resnet56" and cfg.dataset.name == "digits"
-    assert cfg.scaler == {"name": "fixed", "scale": 16}
+    assert cfg.scaler == {"_target_": "adaloss.scalers.FixedLossScaler", "name": "fixed", "scale": 16}
     assert cfg.precision.name == "bf16" and cfg.seed == 3 and cfg.device == "cpu"
     assert cfg.trainer.max_steps == 10 and cfg.logger.wandb is None
     assert cfg.hydra.run.dir == "/tmp/somewhere"

@@ -292,7 +292,7 @@ def test_imagenet_class_count_must_match(tmp_path: Path) -> None:
 
 
 def test_unknown_dataset_is_a_config_error() -> None:
-    with pytest.raises(ConfigError, match="unknown dataset 'mnist': choose one of") as info:
+    with pytest.raises(ConfigError, match="unknown dataset 'mnist'; choose dataset= one of") as info:
         build_datasets({"name": "mnist"}, "unused")
     assert all(name in str(info.value) for name in DATASET_NAMES)
 

@@ -128,4 +128,4 @@ def test_a_model_of_another_kind_than_the_data_is_refused(make_full_cfg: Callabl
     ):
         train(make_full_cfg("model=resnet20", "dataset=pystdlib"))
     with pytest.raises(ConfigError, match="model vocab_size=256, block_size=16 cannot take dataset pystdlib"):
-        train(make_full_cfg(*SMALL_GPT, "+model.block_size=16"))
+        train(make_full_cfg(*SMALL_GPT, "model.block_size=16"))  # a field of the GPT schema: no +

@@ -305,11 +305,15 @@ def test_online_without_an_api_key_falls_back_at_once(
 @pytest.mark.parametrize(
     ("key", "value", "message"),
     [
-        ("init_timeout", 0, "logger.wandb.init_timeout=0 must be a positive number of seconds"),
-        ("init_timeout", float("inf"), "init_timeout=inf must be a positive number"),
-        ("init_timeout", "soon", "init_timeout=soon must be a positive number"),
-        ("per_layer_series", "no", "logger.wandb.per_layer_series=no must be true or false"),
-        ("mode", "sometimes", "logger.wandb.mode=sometimes is not a choice"),
+        ("init_timeout", 0, "logger.wandb.init_timeout must be a number > 0, got 0.0"),
+        ("init_timeout", float("inf"), "logger.wandb.init_timeout must be a finite number, got inf"),
+        (
+            "init_timeout",
+            "soon",
+            "logger.wandb.init_timeout: Value 'soon' of type 'str' could not be converted",
+        ),
+        ("per_layer_series", "maybe", "logger.wandb.per_layer_series: Value 'maybe' is not a valid bool"),
+        ("mode", "sometimes", "logger.wandb.mode must be one of offline, online, disabled, got 'sometimes'"),
     ],
 )
 def test_bad_wandb_settings_are_config_errors(tmp_path: Path, key: str, value: Any, message: str) -> None:

@@ -97,6 +97,7 @@ def write_run(
         (folder / ".hydra" / "overrides.yaml").write_text(f"- experiment={experiment}\n", encoding="utf-8")
     record = {"test_accuracy": 50.0, "map": 50.0, "steps": 3000, "config": config}
     (folder / "metrics.json").write_text(json.dumps(record), encoding="utf-8")
+    (folder / "done").write_text("")  # finished: the trainer's marker
     return folder
 
 

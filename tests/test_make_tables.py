@@ -74,6 +74,7 @@ def _write_run(folder: Path, record: dict[str, Any] | None) -> Path:
     (folder / ".hydra" / "overrides.yaml").write_text("- seed=0\n")
     if record is not None:
         (folder / "metrics.json").write_text(json.dumps(record))
+        (folder / "done").write_text("")  # finished: the trainer's marker
     return folder
 
 
@@ -262,6 +263,22 @@ def test_a_crashed_run_without_metrics_json_is_never_counted(tmp_path: Path) -> 
     assert collection.unfinished == [str(crashed.resolve())]
     cells = _cells(_table("table1_cifar", collection.runs), ("cifar10", "resnet20"))
     assert cells["Fixed (best)"].startswith("92.00 (n=1, S=128)")
+
+
+def test_a_run_without_the_done_marker_is_never_counted(tmp_path: Path) -> None:
+    """``metrics.json`` alone is not a finished run: the trainer writes ``done`` after it (a run killed
+    between the two, or a record copied without its marker, is listed as unfinished, not tabulated)."""
+    from adaloss.engine.run_folder import DONE_FILE
+    from adaloss.reports.runs import DONE_FILE as READ_MARKER
+
+    assert READ_MARKER == DONE_FILE  # the readers look for the file the trainer writes
+    sweep = tmp_path / "sweep"
+    _write_run(sweep / "0_seed=0", _record(92.0, seed=0))
+    half = _write_run(sweep / "1_seed=1", _record(10.0, seed=1))
+    (half / "done").unlink()
+    collection = mt.read_folders([sweep])
+    assert [r.seed for r in collection.runs] == [0]
+    assert collection.unfinished == [str(half.resolve())]
 
 
 def test_a_repeated_configuration_and_seed_counts_once_the_latest_wins(tmp_path: Path) -> None:

@@ -158,6 +158,7 @@ def _write(folder: Path, value: float | None, scale: float, seed: int, diverged:
     }
     record = {"test_accuracy": value, "diverged": diverged, "skipped_steps": seed, "config": config}
     (folder / "metrics.json").write_text(json.dumps(record))
+    (folder / "done").write_text("")  # finished: the trainer's marker
 
 
 def test_runs_without_overrides_are_told_apart_by_their_config(tmp_path: Path) -> None:

@@ -14,16 +14,10 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from adaloss.engine.optim import (
-    build_optimizer,
-    build_schedule,
-    check_optimizer_and_schedule,
-    is_bias,
-    parameter_groups,
-)
+from adaloss.engine.optim import build_optimizer, build_schedule, is_bias, parameter_groups
 from adaloss.errors import ConfigError
 from adaloss.models import build_model
-from adaloss.utils.config import _number
+from adaloss.schemas import check_config
 from conftest import compose_train
 
 VOC = ("dataset=voc", "model=ssd512", "model.width_multiplier=0.125", "model.image_size=128")
@@ -151,23 +145,24 @@ def test_default_groups_are_unchanged() -> None:
 
 
 @pytest.mark.parametrize(
-    ("optimizer", "schedule", "message"),
+    ("override", "message"),
     [
-        ({"bias_lr_factor": 0}, {}, "optimizer.bias_lr_factor must be a number > 0, got 0"),
-        ({"decay_bias": "no"}, {}, "optimizer.decay_bias must be true or false, got 'no'"),
+        ("optimizer.bias_lr_factor=0", "optimizer.bias_lr_factor must be a number > 0, got 0"),
         (
-            {},
-            {"warmup_unless_batch_size": 0},
-            "schedule.warmup_unless_batch_size must be a number >= 1, got 0",
+            "schedule.warmup_unless_batch_size=0",
+            "schedule.warmup_unless_batch_size must be a positive integer",
         ),
     ],
 )
-def test_bad_recipe_values_are_config_errors(optimizer: dict, schedule: dict, message: str) -> None:
-    cfg = _voc()
-    o = OmegaConf.merge(cfg.optimizer, optimizer)
-    s = OmegaConf.merge(cfg.schedule, schedule)
+def test_bad_recipe_values_are_config_errors(override: str, message: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
-        check_optimizer_and_schedule(o, s, _number)
+        check_config(_voc(override))
+
+
+def test_a_recipe_boolean_is_a_boolean() -> None:
+    """``optimizer.decay_bias`` is typed: a value that is not a boolean is refused while composing."""
+    with pytest.raises(Exception, match="decay_bias"):
+        _voc("optimizer.decay_bias=maybe")
 
 
 def test_a_bias_factor_needs_an_lr_and_a_batch_condition_needs_the_batch() -> None:

@@ -3,21 +3,20 @@ any torch optimizer or schedule, and a bad target as one ``ConfigError`` line.""
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch import nn
 
 from adaloss.engine import train
 from adaloss.engine.optim import WarmupCosine, build_optimizer, parameter_groups
 from adaloss.errors import ConfigError
 from adaloss.models import BUNDLED_MODELS, GPT, build_model
-from conftest import CONFIG_DIR
+from conftest import CONFIG_DIR, compose_train
 
 
 class TinyNet(nn.Module):
@@ -47,28 +46,28 @@ def not_a_module(num_classes: int) -> str:
 
 
 def test_every_bundled_model_config_names_its_target_and_fixed_arguments() -> None:
-    """configs/model/<name>.yaml and BUNDLED_MODELS agree: a config without _target_ (scripts, tests)
-    builds exactly what model=<name> builds."""
-    for path in sorted((CONFIG_DIR / "model").glob("*.yaml")):
-        cfg = OmegaConf.load(path)
-        cfg = cfg.model if "model" in cfg else cfg  # resnet110.yaml is a _global_ package
+    """configs/model/<name>.yaml (with its schema) and BUNDLED_MODELS agree: a config without _target_
+    (scripts, tests) builds exactly what model=<name> builds."""
+    stems = {p.stem for p in (CONFIG_DIR / "model").glob("*.yaml")} - {"custom"}
+    for stem in sorted(stems):
+        cfg = compose_train([f"model={stem}"]).model
         bundled = BUNDLED_MODELS[cfg.name]
-        assert cfg.name == path.stem and cfg._target_ == bundled.target, path.name
+        assert cfg.name == stem and cfg._target_ == bundled.target, stem
         for key, value in bundled.fixed.items():
-            assert cfg[key] == value, (path.name, key)
-    assert {p.stem for p in (CONFIG_DIR / "model").glob("*.yaml")} == set(BUNDLED_MODELS)
+            assert cfg[key] == value, (stem, key)
+    assert stems == set(BUNDLED_MODELS)
 
 
 def test_a_users_own_module_trains_through_model_target(
-    make_cfg: Callable[..., DictConfig], caplog: pytest.LogCaptureFixture, tmp_path: Path
+    make_cfg: Callable[..., DictConfig], tmp_path: Path
 ) -> None:
-    """``model._target_`` replaces the default model (resnet20): its depth key is left out with a warning,
-    num_classes and in_features come from the data, width from the command line, and the run is named
-    after the user's model."""
-    cfg = make_cfg("model._target_=test_targets.TinyNet", "model.name=tinynet", "+model.width=6")
-    with caplog.at_level(logging.WARNING, logger="adaloss.utils.targets"):
-        metrics = train(cfg)
-    assert "test_targets.TinyNet takes no depth" in caplog.text
+    """``model=custom model._target_=...``: num_classes and in_features come from the data, width from the
+    command line, and the run is named after the user's model. On a bundled option the class would get
+    that option's keys: an unknown one is an error, not a warning."""
+    cfg = make_cfg(
+        "model=custom", "model._target_=test_targets.TinyNet", "model.name=tinynet", "+model.width=6"
+    )
+    metrics = train(cfg)
     assert metrics["steps"] == 2 and not metrics["diverged"]
     assert set(metrics["underflow_rate"]) == {"hidden", "out"}  # the user's layers, by their names
     assert metrics["config"]["model"]["name"] == "tinynet" and (tmp_path / "metrics.json").is_file()
@@ -78,6 +77,8 @@ def test_a_users_own_module_trains_through_model_target(
         and model.hidden.in_features == 3 * 16 * 16
         and model.hidden.out_features == 6
     )
+    with pytest.raises(ConfigError, match="test_targets.TinyNet takes no argument depth"):
+        train(make_cfg("model._target_=test_targets.TinyNet", "model.name=tinynet"))  # resnet20's depth
 
 
 @pytest.mark.parametrize(
@@ -96,7 +97,7 @@ def test_a_users_own_module_trains_through_model_target(
             ["model._target_=math.pi is a float, not a class or function"],
         ),
         (
-            ["model._target_=test_targets.NeedsDepth", "model.name=nd", "~model.depth"],
+            ["model=custom", "model._target_=test_targets.NeedsDepth", "model.name=nd"],
             [
                 "test_targets.NeedsDepth cannot be called",
                 "missing a required argument: 'depth'",
@@ -104,11 +105,11 @@ def test_a_users_own_module_trains_through_model_target(
             ],
         ),
         (
-            ["model._target_=test_targets.NeedsDepth", "model.name=nd"],  # depth=20 inherited from resnet20
+            ["model=custom", "model._target_=test_targets.NeedsDepth", "model.name=nd", "+model.depth=20"],
             ["model._target_=test_targets.NeedsDepth failed: ValueError: depth 20 is too deep"],
         ),
         (
-            ["model._target_=test_targets.not_a_module", "model.name=x"],
+            ["model=custom", "model._target_=test_targets.not_a_module", "model.name=x"],
             ["model._target_=test_targets.not_a_module returned a str, not a torch.nn.Module"],
         ),
         (
@@ -127,7 +128,7 @@ def test_a_users_own_module_trains_through_model_target(
         (["optimizer._partial_=false"], ["must be a _partial_ config", "optimizer._partial_=true"]),
         (["optimizer.lr=-1"], ["optimizer.lr must be a number > 0"]),
         (
-            ["schedule._target_=torch.optim.lr_scheduler.StepLR"],
+            ["schedule=custom", "schedule._target_=torch.optim.lr_scheduler.StepLR"],
             ["schedule._target_=torch.optim.lr_scheduler.StepLR cannot be called", "'step_size'"],
         ),
         (
@@ -163,16 +164,18 @@ def test_a_bad_target_is_one_config_error_line(
 
 
 def test_any_torch_optimizer_and_schedule_plug_in(make_cfg: Callable[..., DictConfig]) -> None:
-    """RMSprop replaces SGD (nesterov, which it lacks, is left out); CosineAnnealingLR gets the run's length
-    as T_max, so the lr reaches eta_min at the last of the 4 updates."""
+    """``optimizer=custom``: RMSprop with the recipe's lr and weight decay; ``schedule=custom``:
+    CosineAnnealingLR gets the run's length as T_max, so the lr reaches eta_min at the last of 4 updates."""
     steps: list[tuple[type, float]] = []
 
     def spy(step: int, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: object) -> None:
         steps.append((type(optimizer), optimizer.param_groups[0]["lr"]))
 
     cfg = make_cfg(
+        "optimizer=custom",
         "optimizer._target_=torch.optim.RMSprop",
         "optimizer.lr=0.01",
+        "schedule=custom",
         "schedule._target_=torch.optim.lr_scheduler.CosineAnnealingLR",
         "+schedule.eta_min=0.001",
         "trainer.max_steps=4",
@@ -188,7 +191,7 @@ def test_any_torch_optimizer_and_schedule_plug_in(make_cfg: Callable[..., DictCo
 
 def test_adamw_decays_only_weights_with_two_or_more_dimensions() -> None:
     model = GPT(vocab_size=256, block_size=8, n_layer=1, n_head=2, n_embd=8)
-    cfg = OmegaConf.load(CONFIG_DIR / "optimizer" / "adamw.yaml")
+    cfg = compose_train(["optimizer=adamw", "recipe=none"]).optimizer  # its own settings, no recipe
     optimizer = build_optimizer(cfg, model)
     assert type(optimizer) is torch.optim.AdamW
     decay, no_decay = optimizer.param_groups

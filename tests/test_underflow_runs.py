@@ -21,6 +21,7 @@ def _run(folder: Path, scaler: dict, rates_per_step: list[list[float]], precisio
     config = {"model": {"name": "ssd512"}, "dataset": {"name": "shapes"}, "precision": {"name": precision},
               "scaler": scaler, "trainer": {"batch_size": 8}, "seed": 0, "name": folder.name}  # fmt: skip
     (folder / "metrics.json").write_text(json.dumps({"map": 10.0, "config": config}))
+    (folder / "done").write_text("")  # finished: the trainer's marker
     lines = [
         json.dumps({"step": 10 * (i + 1), "underflow_rate": dict(zip(LAYERS, rates, strict=True))})
         for i, rates in enumerate(rates_per_step)

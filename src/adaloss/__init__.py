@@ -14,6 +14,11 @@ from typing import Any
 
 __version__ = "0.1.0"
 
+# The config schemas (src/adaloss/schemas.py) go into Hydra's ConfigStore, where configs/*/*.yaml find them.
+from adaloss import schemas as _schemas  # noqa: E402
+
+_schemas.register()
+
 #: Names re-exported from ``adaloss.scalers`` on first access (PEP 562).
 _SCALER_EXPORTS = (
     "AdaptiveLossScaler",

@@ -146,22 +146,15 @@ class Precision:
 
     @classmethod
     def from_config(cls, cfg: Any, device: str | torch.device, telemetry_format: str = "fp16") -> Precision:
-        """Build from the ``precision`` config group (``name``, ``backend``, ``allow_tf32``,
-        ``grad_scaling``); an unknown field is a ConfigError naming the fields there are."""
-        known = ("name", "backend", "allow_tf32", "grad_scaling")
-        unknown = sorted(str(k) for k in cfg.keys() if k not in known)
-        if unknown:
-            raise ConfigError(
-                f"precision has no field(s) {', '.join(unknown)}; its fields are: {', '.join(known)}"
-            )
-        return cls(
-            cfg.get("name"),
-            device,
-            telemetry_format=telemetry_format,
-            backend=cfg.get("backend", "auto"),
-            allow_tf32=cfg.get("allow_tf32", False),
-            grad_scaling=_plain(cfg.get("grad_scaling", "none")),
-        )
+        """Build from the ``precision`` config group: ``hydra.utils.instantiate`` on its ``_target_`` (this
+        class, or one of the user's), with ``device`` and ``telemetry_format`` where it takes them. A plain
+        mapping (``{"name": "fp16"}``) is typed by the precision schema (:mod:`adaloss.schemas`) first.
+        ``ConfigError`` for an unknown key, a wrong type or a value out of range."""
+        from adaloss.schemas import typed
+        from adaloss.utils.targets import build_target
+
+        fill = {"device": device, "telemetry_format": telemetry_format}
+        return build_target("precision", typed("precision", cfg), example="precision=fp16", fill=fill)
 
     def state_dict(self) -> dict[str, Any]:
         """The gradient quantizer's state (delayed scaling's amax histories and scales; tensors), for the

@@ -1,15 +1,16 @@
 """Datasets and loaders: ``build_datasets(cfg, data_dir)`` and ``make_loader(dataset, ...)``."""
 
-from adaloss.data import datasets as _classification
+import os
+from typing import Any
+
 from adaloss.data.datasets import DATASET_NAMES, DatasetInfo, TensorImageDataset
 from adaloss.data.detection import (
     DETECTION_DATASET_NAMES,
     DetectionInfo,
-    build_detection_datasets,
     detection_collate,
 )
 from adaloss.data.loaders import make_loader, seed_worker
-from adaloss.data.text import TEXT_DATASET_NAMES, TextInfo, build_text_datasets
+from adaloss.data.text import TEXT_DATASET_NAMES, TextInfo
 
 __all__ = [
     "DATASET_NAMES",
@@ -26,14 +27,28 @@ __all__ = [
 ]
 
 
-def build_datasets(cfg, data_dir):
-    """``adaloss.data.datasets.build_datasets``, plus the detection datasets ``shapes`` and ``voc``
-    (``adaloss.data.detection``: samples ``(image, target dict)``, info a ``DetectionInfo``) and the text
-    datasets ``pystdlib`` and ``tokens`` (``adaloss.data.text``: samples ``(x, y)`` token windows, info a
-    ``TextInfo``)."""
-    name = cfg.get("name") if hasattr(cfg, "get") else getattr(cfg, "name", None)
-    if name in DETECTION_DATASET_NAMES:
-        return build_detection_datasets(cfg, data_dir)
-    if name in TEXT_DATASET_NAMES:
-        return build_text_datasets(cfg, data_dir)
-    return _classification.build_datasets(cfg, data_dir)
+def build_datasets(cfg: Any, data_dir: str | os.PathLike[str]) -> tuple[Any, Any, Any]:
+    """``(train_set, test_set, info)`` of a ``dataset`` config: ``hydra.utils.instantiate`` on its
+    ``_target_`` (``adaloss.data.datasets.cifar``, ..., or a function of the user's), with ``data_dir`` if
+    the target takes it. Classification samples are ``(image, label)`` and ``info`` a ``DatasetInfo``;
+    detection (``shapes``, ``voc``) ``(image, target dict)`` and a ``DetectionInfo``; text (``pystdlib``,
+    ``tokens``) ``(x, y)`` token windows and a ``TextInfo``.
+
+    ``cfg``: the composed ``dataset`` node, or a plain mapping (``{"name": "digits"}`` takes the schema of
+    that name, :mod:`adaloss.schemas`). ``ConfigError`` for an unknown name or key, a wrong type, a value
+    out of range or missing data.
+    """
+    from adaloss.errors import ConfigError
+    from adaloss.schemas import typed
+    from adaloss.utils.targets import build_target
+
+    node = typed("dataset", cfg)
+    made = build_target(
+        "dataset", node, example="dataset=custom dataset._target_=my_pkg.my_data", fill={"data_dir": data_dir}
+    )
+    if not (isinstance(made, tuple) and len(made) == 3):
+        raise ConfigError(
+            f"dataset._target_={node.get('_target_')} returned a {type(made).__name__}, not (train_set, "
+            "test_set, info): return the two datasets and an adaloss.data.DatasetInfo"
+        )
+    return made

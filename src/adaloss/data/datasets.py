@@ -1,4 +1,5 @@
-"""Datasets: ``build_datasets(cfg, data_dir)`` turns the ``dataset`` config group into train/test sets.
+"""Image classification datasets: ``cifar``, ``imagenet``, ``digits``, ``synthetic`` (the ``_target_`` of
+``configs/dataset/*.yaml``; ``adaloss.data.build_datasets`` instantiates them).
 
 * ``cifar10`` / ``cifar100``: torchvision's pickled CIFAR under ``data_dir``, the He et al. augmentation.
 * ``imagenet``: ImageFolder trees ``data_dir/imagenet/{train,val}/<class>/*``.
@@ -29,7 +30,7 @@ from adaloss.data import transforms as tr
 from adaloss.errors import ConfigError
 from adaloss.utils.fields import MISSING, config_field
 
-__all__ = ["DATASET_NAMES", "DatasetInfo", "TensorImageDataset", "build_datasets"]
+__all__ = ["DATASET_NAMES", "DatasetInfo", "TensorImageDataset", "cifar", "digits", "imagenet", "synthetic"]
 
 DATASET_NAMES: tuple[str, ...] = ("cifar10", "cifar100", "imagenet", "digits", "synthetic")
 
@@ -331,22 +332,32 @@ def _build_synthetic(cfg: Any) -> tuple[Dataset, Dataset, DatasetInfo]:
 # ---------------------------------------------------------------------------------------------- entry
 
 
-def build_datasets(cfg: Any, data_dir: str | os.PathLike[str]) -> tuple[Dataset, Dataset, DatasetInfo]:
-    """Build ``(train_set, test_set, info)`` for the dataset named by ``cfg.name``.
+# ------------------------------------------------------------------------- the configs' _target_s
+# configs/dataset/<name>.yaml names one of these; adaloss.utils.targets.build_target calls it with the
+# dataset node's fields and paths.data_dir.
 
-    ``data_dir`` is where CIFAR (``cifar-10-batches-py/``, ``cifar-100-python/``) and ImageNet
-    (``imagenet/train``, ``imagenet/val``) live; ``digits`` and ``synthetic`` ignore it. Samples are
-    ``(float tensor (C, H, W), int label)``. Raises ``ConfigError`` for an unknown name, invalid fields or
-    missing data. Cost: digits about 0.1 s, CIFAR about 1 s (unpickling), ImageNet one directory scan.
-    """
-    name = str(_field(cfg, "name"))
-    data_dir = Path(data_dir).expanduser().resolve()
-    if name in ("cifar10", "cifar100"):
-        return _build_cifar(cfg, name, data_dir)
-    if name == "imagenet":
-        return _build_imagenet(cfg, data_dir)
-    if name == "digits":
-        return _build_digits(cfg)
-    if name == "synthetic":
-        return _build_synthetic(cfg)
-    raise ConfigError(f"unknown dataset '{name}': choose one of {', '.join(DATASET_NAMES)}")
+
+def _given(fields: dict[str, Any]) -> dict[str, Any]:
+    """The fields a config sets: a null means the builder's own default (``val_windows: null`` excepted, which
+    means every window)."""
+    return {k: v for k, v in fields.items() if v is not None or k == "val_windows"}
+
+
+def cifar(data_dir: str | os.PathLike[str] = ".", **fields: Any) -> tuple[Dataset, Dataset, DatasetInfo]:
+    """``dataset=cifar10`` / ``cifar100`` (``fields["name"]``), under ``data_dir``."""
+    return _build_cifar(_given(fields), str(fields.get("name")), Path(data_dir).expanduser().resolve())
+
+
+def imagenet(data_dir: str | os.PathLike[str] = ".", **fields: Any) -> tuple[Dataset, Dataset, DatasetInfo]:
+    """``dataset=imagenet``: ImageFolder ``imagenet/train`` and ``imagenet/val`` under ``data_dir``."""
+    return _build_imagenet(_given(fields), Path(data_dir).expanduser().resolve())
+
+
+def digits(**fields: Any) -> tuple[Dataset, Dataset, DatasetInfo]:
+    """``dataset=digits``: scikit-learn's bundled digits."""
+    return _build_digits(_given(fields))
+
+
+def synthetic(**fields: Any) -> tuple[Dataset, Dataset, DatasetInfo]:
+    """``dataset=synthetic``: seeded class templates plus noise."""
+    return _build_synthetic(_given(fields))

@@ -5,13 +5,12 @@ dict with ``boxes`` ``[K, 4]`` float32 ``(x1, y1, x2, y2)`` in pixels of that im
 in ``1..C`` (0 is the detector's background) and ``difficult`` ``[K]`` bool (VOC's flag; objects the metric
 ignores). ``detection_collate`` stacks the images and keeps the targets as a list, because ``K`` varies.
 
-Datasets (``build_detection_datasets``): ``shapes`` (synthetic, :mod:`adaloss.data.shapes`) and ``voc``
-(PASCAL VOC, :mod:`adaloss.data.voc`).
+Datasets: ``shapes`` (synthetic, :func:`adaloss.data.shapes.shapes`) and ``voc`` (PASCAL VOC,
+:func:`adaloss.data.voc.voc`).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,12 +21,10 @@ from torchvision import tv_tensors
 from torchvision.transforms import v2 as T
 
 from adaloss.data.datasets import DatasetInfo
-from adaloss.errors import ConfigError
 
 __all__ = [
     "DETECTION_DATASET_NAMES",
     "DetectionInfo",
-    "build_detection_datasets",
     "detection_collate",
     "ssd_eval_transform",
     "ssd_train_transform",
@@ -141,23 +138,4 @@ def ssd_eval_transform(
                 T.Normalize(list(mean), list(std)),
             ]
         )
-    )
-
-
-def build_detection_datasets(cfg: Any, data_dir: str | os.PathLike[str]):
-    """``(train_set, test_set, DetectionInfo)`` for ``cfg.name`` in ``shapes`` / ``voc``.
-
-    Raises ``ConfigError`` for an unknown name, invalid fields or missing data (VOC).
-    """
-    name = cfg.get("name") if hasattr(cfg, "get") else getattr(cfg, "name", None)
-    if name == "shapes":
-        from adaloss.data.shapes import build_shapes
-
-        return build_shapes(cfg)
-    if name == "voc":
-        from adaloss.data.voc import build_voc
-
-        return build_voc(cfg, data_dir)
-    raise ConfigError(
-        f"unknown detection dataset '{name}': choose one of {', '.join(DETECTION_DATASET_NAMES)}"
     )

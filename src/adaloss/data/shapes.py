@@ -174,3 +174,8 @@ def build_shapes(cfg: Any) -> tuple[ShapesDetection, ShapesDetection, DetectionI
         "shapes", num_classes, image_size, 3, train_size, test_size, class_names=SHAPE_CLASSES
     )
     return train, test, info
+
+
+def shapes(**fields: Any) -> tuple[ShapesDetection, ShapesDetection, DetectionInfo]:
+    """``dataset=shapes`` (the config's ``_target_``): :func:`build_shapes` of the node's fields."""
+    return build_shapes({k: v for k, v in fields.items() if v is not None})

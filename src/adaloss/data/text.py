@@ -45,7 +45,6 @@ __all__ = [
     "TEXT_DATASET_NAMES",
     "TextInfo",
     "TokenWindows",
-    "build_text_datasets",
     "pystdlib_files",
     "read_token_folder",
 ]
@@ -234,17 +233,20 @@ def _build_tokens(cfg: Any, data_dir: Path) -> tuple[Dataset, Dataset, TextInfo]
     return train_set, val_set, info
 
 
-def build_text_datasets(cfg: Any, data_dir: str | os.PathLike[str]) -> tuple[Dataset, Dataset, TextInfo]:
-    """``(train windows, validation windows, TextInfo)`` of the text dataset ``cfg.name`` names.
+# ------------------------------------------------------------------------- the configs' _target_s
 
-    Fields: ``block_size`` (tokens a sample predicts), ``stride``, ``val_windows``; ``pystdlib``:
-    ``holdout_every``, ``stdlib`` (another folder, for tests); ``tokens``: ``folder``, ``vocab_size``.
-    ``ConfigError`` for invalid fields or missing files. Cost: ``pystdlib`` reads and hashes 4.7 MB (about
-    0.05 s); ``tokens`` maps the files and reads the validation split once (its largest token id).
-    """
-    name = str(_field(cfg, "name"))
-    if name == "pystdlib":
-        return _build_pystdlib(cfg)
-    if name == "tokens":
-        return _build_tokens(cfg, Path(data_dir).expanduser().resolve())
-    raise ConfigError(f"unknown text dataset '{name}': choose one of {', '.join(TEXT_DATASET_NAMES)}")
+
+def _given(fields: dict[str, Any]) -> dict[str, Any]:
+    """The fields a config sets: a null means the builder's own default (``val_windows: null`` excepted, which
+    means every window)."""
+    return {k: v for k, v in fields.items() if v is not None or k == "val_windows"}
+
+
+def pystdlib(**fields: Any) -> tuple[Dataset, Dataset, TextInfo]:
+    """``dataset=pystdlib`` (the config's ``_target_``)."""
+    return _build_pystdlib(_given(fields))
+
+
+def tokens(data_dir: str | os.PathLike[str] = ".", **fields: Any) -> tuple[Dataset, Dataset, TextInfo]:
+    """``dataset=tokens`` (the config's ``_target_``): ``train.bin``/``val.bin`` under ``data_dir``."""
+    return _build_tokens(_given(fields), Path(data_dir).expanduser().resolve())

@@ -201,3 +201,8 @@ def build_voc(
     )
     info = DetectionInfo("voc", num_classes, image_size, 3, len(train), len(test), class_names=VOC_CLASSES)
     return train, test, info
+
+
+def voc(data_dir: str | os.PathLike[str] = ".", **fields: Any):  # noqa: ANN201 - build_voc's triple
+    """``dataset=voc`` (the config's ``_target_``): :func:`build_voc` of the fields, under ``data_dir``."""
+    return build_voc({k: v for k, v in fields.items() if v is not None}, data_dir)

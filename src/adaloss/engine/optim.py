@@ -14,19 +14,17 @@ from bisect import bisect_right
 from typing import Any
 
 import torch
-from omegaconf import ListConfig
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from adaloss.errors import ConfigError
-from adaloss.utils.targets import build_target, config_items, locate_target
+from adaloss.utils.targets import build_target, config_items
 
 __all__ = [
     "MultiStepWithWarmup",
     "WarmupCosine",
     "build_optimizer",
     "build_schedule",
-    "check_optimizer_and_schedule",
     "multistep",
     "parameter_groups",
     "warmup_cosine",
@@ -251,62 +249,3 @@ def build_schedule(cfg: Any, optimizer: torch.optim.Optimizer, length: int) -> A
             "learning-rate schedule (step() and state_dict()): e.g. schedule=cosine"
         )
     return schedule
-
-
-# ------------------------------------------------------------------------------------------ checks
-
-
-def check_optimizer_and_schedule(cfg_optimizer: Any, cfg_schedule: Any, number: Any) -> None:
-    """``ConfigError`` for a missing or unimportable ``_target_`` and for the values this package gives
-    meaning to, where the config has them: ``lr`` > 0, ``momentum`` in [0, 1], ``weight_decay`` >= 0;
-    ``milestones`` increasing fractions, ``gamma``, the warm-up fields, ``final_factor``. ``number`` is
-    ``adaloss.utils.config._number`` (the shared range check). Before anything is built; no side effects
-    but the targets' imports."""
-    o = cfg_optimizer
-    locate_target("optimizer", o.get("_target_"), "optimizer=sgd or optimizer._target_=torch.optim.AdamW")
-    if "lr" in o:
-        number(o.lr, "optimizer.lr", 0.1, 0.0, low_open=True)
-    if "momentum" in o:
-        number(o.momentum, "optimizer.momentum", 0.9, 0.0, 1.0)
-    if "weight_decay" in o:
-        number(o.weight_decay, "optimizer.weight_decay", 1e-4, 0.0)
-    if "bias_lr_factor" in o:
-        number(o.bias_lr_factor, "optimizer.bias_lr_factor", 2.0, 0.0, low_open=True)
-    if "decay_bias" in o and not isinstance(o.decay_bias, bool):
-        raise ConfigError(
-            f"optimizer.decay_bias must be true or false, got {o.decay_bias!r}; "
-            "e.g. optimizer.decay_bias=false"
-        )
-
-    s = cfg_schedule
-    locate_target("schedule", s.get("_target_"), "schedule=multistep or schedule=cosine")
-    if "milestones" in s:
-        if not isinstance(s.milestones, ListConfig):
-            raise ConfigError(
-                f"schedule.milestones must be a list of fractions of the schedule, got {s.milestones!r}; "
-                "e.g. schedule.milestones=[0.5,0.75]"
-            )
-        milestones = list(s.milestones)
-        for m in milestones:
-            number(m, "schedule.milestones entries", "[0.5,0.75]", 0.0, 1.0, low_open=True)
-        if milestones != sorted(milestones):
-            raise ConfigError(
-                f"schedule.milestones must be increasing fractions of the schedule, got {milestones}; "
-                f"e.g. schedule.milestones=[{','.join(f'{m:g}' for m in sorted(milestones))}]"
-            )
-    if "gamma" in s:
-        number(s.gamma, "schedule.gamma", 0.1, 0.0, low_open=True)
-    if "warmup_fraction" in s:
-        number(s.warmup_fraction, "schedule.warmup_fraction", 0.0, 0.0, 1.0)
-    if "warmup_factor" in s:
-        number(s.warmup_factor, "schedule.warmup_factor", 0.1, 0.0, low_open=True)
-    for key in ("warmup_unless_batch_size", "batch_size"):
-        if s.get(key) is not None:
-            number(s[key], f"schedule.{key}", 32, 1.0)
-    if "final_factor" in s:
-        number(s.final_factor, "schedule.final_factor", 0.1, 0.0, 1.0)
-    warmup = s.get("warmup", "constant")
-    if warmup not in ("constant", "linear"):
-        raise ConfigError(
-            f"schedule.warmup must be 'constant' or 'linear', got {warmup!r}; e.g. schedule.warmup=linear"
-        )

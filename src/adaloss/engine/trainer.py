@@ -286,12 +286,12 @@ def _build(cfg: DictConfig, run_dir: Path, config: dict[str, Any], ranks: DistIn
     monitor = UnderflowMonitor(
         every=cfg.telemetry.every,
         fmt=precision.telemetry_format,
-        expected_loss_scale=bool(cfg.telemetry.get("expected_loss_scale", False)),
-        quantile=cfg.telemetry.get("quantile", 0.01),
-        counterfactual=cfg.telemetry.get("counterfactual", False),  # every recipe on the same gradients
+        expected_loss_scale=cfg.telemetry.expected_loss_scale,
+        quantile=cfg.telemetry.quantile,
+        counterfactual=cfg.telemetry.counterfactual,  # every recipe on the same gradients
     )
-    guard = DivergenceGuard(cfg.trainer.get("max_consecutive_overflows", 100))
-    on_divergence = str(cfg.trainer.get("on_divergence", "fail"))
+    guard = DivergenceGuard(cfg.trainer.max_consecutive_overflows)
+    on_divergence = str(cfg.trainer.on_divergence)
     if on_divergence not in ("fail", "record"):
         raise ConfigError(f"trainer.on_divergence must be 'fail' or 'record', got '{on_divergence}'")
     faults = GradientFaults.from_config(cfg.get("faults"), module)  # test hook; no-op unless faults.inject
@@ -408,8 +408,8 @@ def _loop(run: _Run, callbacks: Sequence[StepCallback], stop: StopRequests) -> T
     (``trainer.on_divergence=record``), else None."""
     cfg, task, model, scaler, optimizer = run.cfg, run.task, run.model, run.scaler, run.optimizer
     clip = cfg.trainer.grad_clip
-    loss_factor = float(cfg.trainer.get("loss_multiplier", 1.0)) * run.ranks.loss_factor  # gradients only
-    record_divergence = str(cfg.trainer.get("on_divergence", "fail")) == "record"
+    loss_factor = float(cfg.trainer.loss_multiplier) * run.ranks.loss_factor  # gradients only
+    record_divergence = str(cfg.trainer.on_divergence) == "record"
     log_every, eval_every = int(cfg.trainer.log_every), int(cfg.trainer.eval_every)
     model.train()
     try:
@@ -608,7 +608,7 @@ def _finish(run: _Run, folder: RunFolder, diverged: TrainingDiverged | None) -> 
             run.scalars.flush(run.mean_over_ranks())
         if not run.ranks.is_main:
             return metrics  # the same numbers as rank 0's; rank 0 writes them
-        if bool(run.cfg.trainer.get("save_final", False)):
+        if bool(run.cfg.trainer.save_final):
             with writing(
                 "final weights", run.run_dir / "model.pt"
             ):  # read with torch.load(weights_only=True)

@@ -40,8 +40,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from adaloss.errors import ConfigError
-
 log = logging.getLogger(__name__)
 
 __all__ = ["SUMMARIES", "Logger", "NullLogger", "WandbLogger", "build_logger", "underflow_heatmap"]
@@ -547,43 +545,45 @@ def _storage_summary(per_layer: Mapping[str, Mapping[str, Any]]) -> dict[str, fl
 def build_logger(
     cfg_logger: Any, run_dir: Path, config: Mapping[str, Any], run_id: str | None = None
 ) -> Logger:
-    """The logger the ``logger`` config group asks for: W&B when ``logger.wandb`` is set, else a no-op.
+    """The logger of a ``logger`` config: ``hydra.utils.instantiate`` on its ``_target_``
+    (:func:`wandb_logger`, :class:`NullLogger` or a class of the user's), with ``run_dir``, ``config`` (the
+    resolved run config) and ``run_id`` (an earlier W&B run to continue) where the target takes them.
 
-    ``config`` is the resolved run config W&B stores with the run; ``run_id`` continues an earlier W&B run
-    (a resumed training run). The group is ``logger.wandb.group`` or, when that is null, the sweep folder of
-    a Hydra sweep's job (no group for a single run); the tags are the precision, the scaler and a fixed
-    scale (``scale=128``) plus ``logger.wandb.tags``. Never raises for W&B trouble; see the module docstring.
-    Raises ``ConfigError`` for an unknown ``logger.wandb.mode``, an ``init_timeout`` that is not a positive
-    number or a ``per_layer_series`` that is not a boolean.
+    A plain mapping without ``_target_`` is typed by the schema its ``wandb`` key implies (set: W&B, null:
+    none; :mod:`adaloss.schemas`). ``ConfigError`` for an unknown key, a wrong type or a value out of range.
     """
-    wb = cfg_logger.get("wandb") if cfg_logger is not None else None
-    if not wb:
+    from adaloss.schemas import schema_of, typed
+    from adaloss.utils.targets import build_target
+
+    if cfg_logger is not None and schema_of(cfg_logger) is None and "_target_" not in cfg_logger:
+        items = dict(cfg_logger)
+        cfg_logger = {**items, "name": "wandb" if items.get("wandb") else "none"}
+    node = typed("logger", cfg_logger if cfg_logger is not None else {"name": "none"})
+    fill = {"run_dir": run_dir, "config": config, "run_id": run_id}
+    return build_target("logger", node, example="logger=custom logger._target_=my_pkg.MyLogger", fill=fill)
+
+
+def wandb_logger(
+    wandb: Mapping[str, Any], run_dir: Path, config: Mapping[str, Any], run_id: str | None = None
+) -> Logger:
+    """``logger=wandb``'s target: a :class:`WandbLogger` with ``wandb``'s settings (``logger.wandb.*``),
+    or a :class:`NullLogger` for ``mode=disabled``. The group is ``logger.wandb.group`` or, when that is
+    null, the sweep folder of a Hydra sweep's job (no group for a single run); the tags are the precision,
+    the scaler and a fixed scale (``scale=128``) plus ``logger.wandb.tags``. Never raises for W&B trouble;
+    see the module docstring."""
+    if wandb["mode"] == "disabled":
         return NullLogger()
-    mode = str(wb.get("mode", "offline"))
-    if mode not in ("offline", "online", "disabled"):
-        raise ConfigError(f"logger.wandb.mode={mode} is not a choice: use offline, online or disabled")
-    timeout = wb.get("init_timeout", 10.0)
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout < math.inf:
-        raise ConfigError(
-            f"logger.wandb.init_timeout={timeout} must be a positive number of seconds (e.g. 10): how long "
-            "mode=online may try to reach W&B before logging offline"
-        )
-    per_layer = wb.get("per_layer_series", False)
-    if not isinstance(per_layer, bool):
-        raise ConfigError(f"logger.wandb.per_layer_series={per_layer} must be true or false")
-    if mode == "disabled":
-        return NullLogger()
-    tags = [*_auto_tags(config), *(str(t) for t in (wb.get("tags") or []))]
+    tags = [*_auto_tags(config), *(str(t) for t in (wandb.get("tags") or []))]
     return WandbLogger(
-        project=str(wb.get("project", "adaloss")),
+        project=str(wandb["project"]),
         run_dir=run_dir,
         config=config,
-        mode=mode,
-        name=wb.get("name"),
-        group=wb.get("group") or _sweep_group(run_dir),
+        mode=wandb["mode"],
+        name=wandb.get("name"),
+        group=wandb.get("group") or _sweep_group(run_dir),
         tags=list(dict.fromkeys(tags)),
-        entity=wb.get("entity"),
+        entity=wandb.get("entity"),
         run_id=run_id,
-        init_timeout=float(timeout),
-        per_layer_series=per_layer,
+        init_timeout=float(wandb["init_timeout"]),
+        per_layer_series=bool(wandb["per_layer_series"]),
     )

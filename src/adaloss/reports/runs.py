@@ -1,10 +1,9 @@
 """Reading finished runs: run folders (``metrics.json``, ``.hydra/``, ``telemetry.jsonl``) and W&B projects.
 
-**Which runs count.** A run is a folder holding ``metrics.json``. The trainer writes that file last and
-atomically, so its presence marks a finished run (DomainBed's ``done`` marker): a run that crashed or is still
-running has none and is never counted; the readers report how many such folders (with Hydra's ``.hydra/``
-but no ``metrics.json``) they passed over, so they can be relaunched. From W&B, only runs in state
-``finished`` count.
+**Which runs count.** A run is a folder holding ``metrics.json`` and the ``done`` marker the trainer writes
+after it (DomainBed's): a run that crashed or is still running lacks the marker (or both files) and is
+never counted; the readers report the folders (with Hydra's ``.hydra/`` or a ``metrics.json`` but no
+``done``) they passed over, so they can be relaunched. From W&B, only runs in state ``finished`` count.
 
 **Sweeps.** A run belongs to the sweep of its folder's parent (a Hydra sweep folder holds one folder per
 job; ``results/runs/<name>/`` holds the repeated runs of one name), named by its path below the folder
@@ -45,6 +44,11 @@ __all__ = [
 
 DETECTION_DATASETS = ("voc", "shapes", "coco")
 NATIVE_IMAGE_SIZE = {"ssd300": 300, "ssd512": 512}
+
+
+#: The marker a finished run writes last (``adaloss.engine.run_folder.DONE_FILE``; not imported: the readers
+#: stay free of the engine's imports).
+DONE_FILE = "done"
 
 
 @dataclass(frozen=True)
@@ -90,7 +94,7 @@ def _overrides(folder: Path) -> tuple[str, ...] | None:
 
 
 def read_records(folders: Sequence[str | Path], into: Records | None = None) -> Records:
-    """Every finished run (``**/metrics.json``) under ``folders``, in path order.
+    """Every finished run (``**/metrics.json`` beside a ``done`` marker) under ``folders``, in path order.
 
     Raises:
         ReportError: if a folder does not exist.
@@ -105,9 +109,10 @@ def read_records(folders: Sequence[str | Path], into: Records | None = None) -> 
         for path in root.rglob("metrics.json"):
             roots.setdefault(path.resolve(), root.resolve())
         hydra_dirs.update(p.parent.resolve() for p in root.rglob(".hydra") if p.is_dir())
-    paths = set(roots)
+    paths = {p for p in roots if (p.parent / DONE_FILE).is_file()}  # finished: the marker comes last
     finished = {p.parent for p in paths}
-    out.unfinished.extend(str(d) for d in sorted(hydra_dirs - finished))
+    started = hydra_dirs | {p.parent for p in roots}
+    out.unfinished.extend(str(d) for d in sorted(started - finished))
     for path in sorted(paths):
         try:
             data = json.loads(path.read_text(encoding="utf-8"))

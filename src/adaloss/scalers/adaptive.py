@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -266,46 +265,6 @@ class AdaptiveLossScaler(LossScaler):
         # root="adaptive": whether this iteration measures the loss gradient, what it measured (binade
         # counts and max magnitude, on the device) and the alpha_{N+1} it was measured at
         self._measure_root, self._root_stats, self._root_at = False, None, self._loss_scale
-
-    @classmethod
-    def from_config(cls, cfg: Mapping[str, Any], fmt: FloatFormat | None) -> AdaptiveLossScaler:
-        """Build from the ``scaler=adaptive`` config group (``fmt`` is the training gradient format)."""
-        known = {
-            "name",
-            "t_uf",
-            "update_every",
-            "init_scale",
-            "allow_below_one",
-            "growth_interval",
-            "u_min",
-            "u_max",
-            "rule",
-            "scale_upper_bound",
-            "accum_upper_bound",
-            "product_betas",
-            "root",
-        }
-        unknown = sorted(set(cfg.keys()) - known)
-        if unknown:
-            raise ConfigError(
-                f"scaler=adaptive has no field(s) {', '.join(unknown)}; its fields are: "
-                f"{', '.join(sorted(known - {'name'}))}"
-            )
-        return cls(
-            t_uf=cfg.get("t_uf", 1e-3),
-            update_every=cfg.get("update_every", 100),
-            init_scale=cfg.get("init_scale", 1.0),
-            fmt=fmt,
-            u_min=cfg.get("u_min"),
-            u_max=cfg.get("u_max"),
-            allow_below_one=cfg.get("allow_below_one", False),
-            growth_interval=cfg.get("growth_interval", 2000),
-            rule=cfg.get("rule", "reference"),
-            scale_upper_bound=cfg.get("scale_upper_bound", "auto"),
-            accum_upper_bound=cfg.get("accum_upper_bound", "auto"),
-            product_betas=cfg.get("product_betas", True),
-            root=cfg.get("root", "fixed"),
-        )
 
     # ------------------------------------------------------------------ copies
 

@@ -1,20 +1,19 @@
-"""Objects from ``_target_`` configs (Hydra's ``instantiate``), with one-line errors for bad targets.
+"""Every part of a run is built the same way: ``hydra.utils.instantiate`` on its group's ``_target_``.
 
-The ``model``, ``optimizer`` and ``schedule`` groups name what they build with ``_target_`` (a dotted path
-to a class or function), as lightning-hydra-template does; the other keys are its arguments, except the
-group's own metadata (``name``: what runs, tables and checkpoints call it). What the config cannot know is
-filled in at build time, by parameter name: ``num_classes`` or ``vocab_size`` from the dataset, the
-optimizer's parameters, the schedule's length (see :func:`build_target`).
+Each group (``model``, ``dataset``, ``scaler``, ``precision``, ``optimizer``, ``schedule``, ``logger``) names
+what it builds with ``_target_`` (a dotted path to a class or function); the other keys of its node are its
+arguments, except the fields its schema marks as the group's own (``name``: what runs, tables and
+checkpoints call it; see :mod:`adaloss.schemas`). What the config cannot know is added at build time, by
+parameter name, where the target takes it: the data's ``num_classes``, the gradient format ``fmt``, the
+optimizer's parameters, the schedule's length (``fill`` of :func:`build_target`).
 
-Why not call ``hydra.utils.instantiate`` bare: its errors are multi-line reports of a failed call, and a
-target replaced on the command line (``model._target_=my_pkg.MyNet``) still carries the keys of the config
-it replaced (``depth: 20``), which its class does not take. Here a bad target is one ``ConfigError`` naming
-it and the fix, and keys the target's signature does not name are left out with one warning.
+A key the target does not take is an error (one ``ConfigError`` naming the target, the key and the fix), not
+a warning: a class of the user's that replaces a bundled one gets the bundled option's keys, so it should be
+chosen through the group's ``custom`` option (``scaler=custom scaler._target_=my_pkg.MyScaler``).
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
 from collections.abc import Callable, Iterable, Mapping
@@ -27,8 +26,6 @@ from omegaconf import DictConfig, OmegaConf
 from adaloss.errors import ConfigError
 
 __all__ = ["build_target", "config_items", "locate_target", "target_parameters"]
-
-log = logging.getLogger(__name__)
 
 #: Hydra's own keys (``_args_``, ``_recursive_``, ...): passed to ``instantiate`` untouched.
 _SPECIAL = frozenset({"_target_", "_partial_", "_convert_", "_recursive_", "_args_"})
@@ -106,11 +103,11 @@ def build_target(
 ) -> Any:
     """Instantiate the ``group`` config ``cfg`` with ``hydra.utils.instantiate`` and return the object.
 
-    * ``cfg["_target_"]`` (or ``defaults["_target_"]``) names the class or function. ``defaults`` are
-      arguments the config may omit (the bundled model a ``name`` stands for).
-    * The keys in ``metadata`` are not arguments. Keys the target's signature does not name are left out,
-      with one warning (a replaced ``_target_`` inherits the replaced config's keys); with ``**kwargs`` in
-      the signature every key is passed.
+    * ``cfg["_target_"]`` (or ``defaults["_target_"]``) names the class or function; ``defaults`` are
+      arguments the config may omit.
+    * The arguments are the node's keys minus its schema's own fields (:func:`adaloss.schemas.arguments`)
+      and minus ``metadata`` (for a node without a schema). Every one of them must be a parameter of the
+      target (or the target takes ``**kwargs``): an unknown key is a ``ConfigError``.
     * ``fill``: values from the run (the dataset's ``num_classes``, a schedule's ``length``) for the
       parameters the target names and the config does not set.
     * ``args``: positional arguments (an optimizer's parameter groups). A ``_partial_: true`` config gives a
@@ -119,28 +116,28 @@ def build_target(
     Any failure (not importable, not callable, missing or unexpected arguments, an exception in the
     constructor) is one ``ConfigError`` naming the target and the fix. Cost: one import and one call.
     """
-    items = {**(defaults or {}), **config_items(cfg)}
+    from adaloss.schemas import arguments, schema_of
+
+    items = {**(defaults or {}), **(arguments(cfg) if schema_of(cfg) else config_items(cfg))}
+    if schema_of(cfg) is None:  # a plain mapping (a YAML file read as it is: its defaults list is Hydra's)
+        items = {k: v for k, v in items.items() if k not in {*metadata, "defaults"}}
     path = items.get("_target_")
     obj = locate_target(group, path, example)
-    skip = set(metadata)
     special = {k: v for k, v in items.items() if k in _SPECIAL}
-    kwargs = {k: v for k, v in items.items() if k not in _SPECIAL and k not in skip}
+    kwargs = {k: v for k, v in items.items() if k not in _SPECIAL}
     signature = target_parameters(obj)
     params, takes_any = signature if signature is not None else ({}, True)
     if not takes_any:
-        unused = [k for k in kwargs if k not in params]
-        if unused:
-            log.warning(
-                "%s._target_=%s takes no %s: left out (set by another config: the dataset's recipe, or the "
-                "one whose _target_ this replaced)",
-                group, path, ", ".join(unused),
-            )  # fmt: skip
-            kwargs = {k: v for k, v in kwargs.items() if k in params}
-    for key, value in (fill or {}).items():
-        if key not in kwargs and key in params:
-            kwargs[key] = value
+        unknown = [k for k in kwargs if k not in params]
+        if unknown:
+            raise ConfigError(
+                f"{group}._target_={path} takes no argument {', '.join(unknown)} (the {group} config sets "
+                f"{group}.{unknown[0]}): for a class of your own choose {group}=custom and give only its "
+                f"arguments, e.g. {group}=custom {group}._target_={path} +{group}.<name>=<value>"
+            )
+    filled = {k: v for k, v in (fill or {}).items() if k not in kwargs and k in params}
     if signature is not None:
-        _check_binding(group, path, obj, args, kwargs)
+        _check_binding(group, path, obj, args, {**kwargs, **filled})
     if args and special.get("_partial_") is not True:
         raise ConfigError(
             f"{group}._target_={path} must be a _partial_ config (it is called with its "
@@ -148,9 +145,9 @@ def build_target(
         )
     special.setdefault("_convert_", "all")  # plain lists and dicts: picklable, and what torch expects
     try:
-        made = instantiate({**special, **kwargs})
-        if isinstance(made, functools.partial):
-            made = made(*args)
+        # The config's arguments through instantiate; the run's objects (parameter groups, the gradient
+        # format, a path) added by the call, so that they reach the target as they are, not converted.
+        made = instantiate({**special, "_partial_": True, **kwargs})(*args, **filled)
     except InstantiationException as error:
         raise _call_error(group, path, error.__cause__ or error) from None
     except ConfigError:
