@@ -113,6 +113,12 @@ def mini_claims(root: Path) -> str:
     return paragraphs(demote(escape_html(text.split("\n", 1)[1]), 2))
 
 
+def root_scale(root: Path) -> str:
+    """``results/root/root_scale.md`` as ``scripts/root_scale.py`` wrote it (the root-scale options)."""
+    text = (root / "results" / "root" / "root_scale.md").read_text(encoding="utf-8")
+    return paragraphs(escape_html(text))
+
+
 def lm_table(folder: str) -> Callable[[Path], str]:
     def render(root: Path) -> str:
         return paragraphs((root / "results" / "lm" / folder / "table.md").read_text(encoding="utf-8"))
@@ -220,6 +226,7 @@ REGIONS: dict[str, Callable[[Path], str]] = {
     "mini-tables": mini_tables,
     "mini-figures": mini_figures,
     "mini-claims": mini_claims,
+    "root-scale": root_scale,
     "lm-untied": lm_table("untied"),
     "lm-tied": lm_table("tied"),
     "lm-underflow": lm_table("underflow"),
