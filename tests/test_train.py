@@ -385,7 +385,11 @@ DIGITS = ("dataset=digits", "trainer.max_steps=100", "trainer.eval_every=1000")
 
 @pytest.mark.parametrize(
     ("precision", "scaler"),
-    [("fp32", "none"), ("fp16", "none"), ("fp16", "dynamic")],
+    [
+        pytest.param("fp32", "none", marks=pytest.mark.slow),  # the control: make test-full runs it
+        ("fp16", "none"),
+        ("fp16", "dynamic"),
+    ],
     ids=["fp32", "fp16-none", "fp16-dynamic"],
 )
 def test_digits_resnet20_reaches_90_percent_where_no_scaling_does_not(
