@@ -458,19 +458,22 @@ def test_update_every_reuses_betas_between_updates(monkeypatch):
     assert len(calls) == 3 * n_layers  # steps 0, 3 and 6 recompute
 
 
-def test_no_host_sync_in_the_backward_pass():
+@pytest.mark.parametrize("root", ["fixed", "dynamic", "adaptive"])
+def test_no_host_sync_in_the_backward_pass(root: str):
     """Nothing in the backward pass reads a tensor's value on the host, on update and reuse steps alike,
     checked by the ATen-level trap of ``tests/sync_trap.py`` (which also fails on ``bool(t)``, ``float(t)``
-    and host data copied to a tensor). The CPU runs the code a GPU runs, so this is the GPU's guarantee;
-    ``tests/test_gpu_path.py`` runs the trap under real autocast too."""
+    and host data copied to a tensor), under every ``scaler.root`` (the loss gradient's measurement of
+    ``root=adaptive`` included: it runs on the step before each scheduled recompute). The CPU runs the code
+    a GPU runs, so this is the GPU's guarantee; ``tests/test_gpu_path.py`` runs the trap under real autocast
+    too."""
     from sync_trap import no_host_sync
 
     for update_every in (1, 2):
-        scaler = AdaptiveLossScaler(update_every=update_every)
+        scaler = AdaptiveLossScaler(update_every=update_every, root=root)
         precision = Precision("fp16", "cpu")
         model = precision.prepare(scaler.attach(_cifar("resnet20")))
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        for _ in range(3):
+        for _ in range(4):
             x, y = torch.randn(2, 3, 8, 8), torch.randint(0, 10, (2,))
             with precision.autocast():
                 loss = nn.functional.cross_entropy(model(x), y)

@@ -218,29 +218,6 @@ def test_a_checkpoint_of_another_root_is_refused():
         other.load_state_dict(scaler.state_dict())
 
 
-@pytest.mark.parametrize("root", ("dynamic", "adaptive"))
-def test_no_host_sync_in_the_backward_pass(root):
-    """The loss gradient's measurement (root=adaptive) and the dynamic root add no host sync to the
-    backward pass, on measuring, recompute and reuse iterations (``tests/sync_trap.py``)."""
-    from sync_trap import no_host_sync
-
-    for update_every in (1, 2):
-        scaler = AdaptiveLossScaler(update_every=update_every, root=root)
-        precision = Precision("fp16", "cpu")
-        model = precision.prepare(scaler.attach(_resnet()))
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        for _ in range(4):
-            x, y = torch.randn(2, 3, 8, 8), torch.randint(0, 10, (2,))
-            with precision.autocast():
-                loss = nn.functional.cross_entropy(model(x), y)
-            scaled = scaler.scale(loss)
-            with no_host_sync():
-                scaled.backward()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad()
-
-
 def test_the_config_key_builds_each_root_and_rejects_others():
     for root in ROOTS:
         scaler = build_scaler(OmegaConf.create({"name": "adaptive", "root": root}), None)
