@@ -69,7 +69,7 @@ def initial_val_loss(cfg) -> float:  # noqa: ANN001 - a DictConfig
 
     seed_everything(int(cfg.seed))
     _, val_set, info = build_datasets(cfg.dataset, cfg.paths.data_dir)
-    task = build_task(cfg.model, info, torch.device("cpu"))
+    task = build_task(cfg, info, torch.device("cpu"))
     loader = make_loader(val_set, cfg.trainer.eval_batch_size, train=False, seed=cfg.seed)
     return task.evaluate(task.model, loader, Precision.from_config(cfg.precision, "cpu")).value
 

@@ -189,7 +189,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     }
     seed_everything(args.seed)  # the trainer's order: seed, data, model: the weights the run starts from
     train_set, _, info = build_datasets(run_cfg.dataset, run_cfg.paths.data_dir)
-    init = build_task(run_cfg.model, info, torch.device("cpu")).model
+    init = build_task(run_cfg, info, torch.device("cpu")).model
     x, y = measurement_batch(train_set, args.batch or int(run_cfg.trainer.batch_size), args.seed)
 
     # the training run's folder is scratch: only its weights are measured, its numbers go into the JSON
@@ -200,7 +200,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             metrics = train(run_cfg)
         except ConfigError as error:
             raise SystemExit(f"error: {str(error).strip().splitlines()[0]}") from None
-        trained = build_task(run_cfg.model, info, torch.device("cpu")).model
+        trained = build_task(run_cfg, info, torch.device("cpu")).model
         trained.load_state_dict(torch.load(Path(scratch) / "model.pt", weights_only=True))
 
     measured = {

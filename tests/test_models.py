@@ -11,7 +11,10 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from adaloss.errors import ConfigError
-from adaloss.models import MLP, MODEL_NAMES, CifarResNet, ShortcutA, VGGNoBN, build_model
+from adaloss.models import MLP, CifarResNet, ShortcutA, VGGNoBN, build_model, model_names
+
+#: The convolutional and MLP image classifiers (the paper's kind of model).
+MODEL_NAMES = tuple(n for n in model_names("classification") if n != "vit")
 
 VGG_WIDTHS = [64, "M", 128, "M", 256, 256, "M", 512, "M"]
 
@@ -201,7 +204,7 @@ def test_build_model_accepts_struct_omegaconf() -> None:
 
 def test_unknown_model_name_is_a_config_error() -> None:
     with pytest.raises(
-        ConfigError, match=r"unknown model 'resnet21': choose one of resnet20, resnet56"
+        ConfigError, match=r"unknown model 'resnet21': choose one of mlp, resnet18, resnet20"
     ) as info:
         build_model({"name": "resnet21"}, num_classes=10)
     for name in MODEL_NAMES:

@@ -9,13 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from adaloss.engine import train
 from adaloss.engine.optim import WarmupCosine, build_optimizer, parameter_groups
+from adaloss.engine.tasks import ClassificationTask
 from adaloss.errors import ConfigError
-from adaloss.models import BUNDLED_MODELS, GPT, build_model
+from adaloss.models import GPT, build_model, bundled_model, model_names
 from conftest import CONFIG_DIR, compose_train
 
 
@@ -45,17 +46,17 @@ def not_a_module(num_classes: int) -> str:
     return "no"
 
 
-def test_every_bundled_model_config_names_its_target_and_fixed_arguments() -> None:
-    """configs/model/<name>.yaml (with its schema) and BUNDLED_MODELS agree: a config without _target_
-    (scripts, tests) builds exactly what model=<name> builds."""
+def test_a_bundled_name_without_target_is_its_config_file() -> None:
+    """The bundled models are the files of configs/model/: a config of a bundled name without _target_
+    (scripts, tests) is exactly what model=<name> composes, and every file is a known name."""
     stems = {p.stem for p in (CONFIG_DIR / "model").glob("*.yaml")} - {"custom"}
+    assert set(model_names()) == stems
     for stem in sorted(stems):
-        cfg = compose_train([f"model={stem}"]).model
-        bundled = BUNDLED_MODELS[cfg.name]
-        assert cfg.name == stem and cfg._target_ == bundled.target, stem
-        for key, value in bundled.fixed.items():
-            assert cfg[key] == value, (stem, key)
-    assert stems == set(BUNDLED_MODELS)
+        composed = OmegaConf.to_container(compose_train([f"model={stem}"]).model, resolve=True)
+        name, bundled = bundled_model({"name": stem})
+        assert name == stem and OmegaConf.to_container(bundled, resolve=True) == composed, stem
+    assert set(model_names("detection")) == {"ssd300", "ssd512"}
+    assert set(model_names("language_model")) == {"gpt", "gpt2_small"}
 
 
 def test_a_users_own_module_trains_through_model_target(
@@ -79,6 +80,46 @@ def test_a_users_own_module_trains_through_model_target(
     )
     with pytest.raises(ConfigError, match="test_targets.TinyNet takes no argument depth"):
         train(make_cfg("model._target_=test_targets.TinyNet", "model.name=tinynet"))  # resnet20's depth
+
+
+class SmoothedTask(ClassificationTask):
+    """A user's own task, defined here and nowhere in the package: cross-entropy with label smoothing."""
+
+    losses: list[float] = []  # every training loss it computed, for the test to see it was the one used
+
+    def __init__(self, model: nn.Module, device: torch.device, smoothing: float) -> None:
+        super().__init__(model, device)
+        self.criterion = nn.CrossEntropyLoss(label_smoothing=smoothing)
+
+    def loss(
+        self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        loss, logits = super().loss(model, batch)
+        SmoothedTask.losses.append(float(loss.detach()))
+        return loss, logits
+
+
+def test_a_users_own_task_trains_through_task_target(make_cfg: Callable[..., DictConfig]) -> None:
+    """``task=custom task._target_=...``: the user's class is built with the model, the device and its
+    argument from the command line, and its loss is the one trained; a class that is not a Task, and a task
+    of another kind than the data, are one ConfigError line each."""
+    SmoothedTask.losses.clear()
+    cfg = make_cfg(
+        "task=custom", "task._target_=test_targets.SmoothedTask", "task.name=smoothed", "+task.smoothing=0.2"
+    )
+    metrics = train(cfg)
+    assert metrics["steps"] == 2 and not metrics["diverged"] and "test_accuracy" in metrics
+    assert len(SmoothedTask.losses) == 2
+    assert metrics["config"]["task"] == {
+        "_target_": "test_targets.SmoothedTask", "name": "smoothed", "smoothing": 0.2
+    }  # fmt: skip
+    with pytest.raises(ConfigError, match="task._target_=test_targets.TinyNet is not a subclass of"):
+        train(make_cfg("task=custom", "task._target_=test_targets.TinyNet", "task.name=tiny"))
+    with pytest.raises(
+        ConfigError,
+        match="holds classification data .* but task=detection trains detection: choose task=classification",
+    ):
+        train(make_cfg("model=ssd300", "task=detection"))
 
 
 @pytest.mark.parametrize(
@@ -120,7 +161,7 @@ def test_a_users_own_module_trains_through_model_target(
                 "model.name=tinynet",
             ],
         ),
-        (["model.depth=56"], ["model resnet20 has depth 20, but model.depth=56"]),
+        (["model.depth=56"], ["model.depth=56 contradicts model.name=resnet20", "model.depth=20"]),
         (
             ["optimizer._target_=torch.optim.Adamm"],
             ["optimizer._target_=torch.optim.Adamm cannot be imported"],

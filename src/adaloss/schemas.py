@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -117,6 +118,20 @@ def choice(obj: Any, name: str, choices: tuple[str, ...]) -> None:
     value = getattr(obj, name)
     if value not in choices and not _unset(value):
         raise FieldError(name, f"must be one of {', '.join(choices)}, got {value!r}", choices[0])
+
+
+def named_after(obj: Any, key: str, pattern: str) -> None:
+    """A bundled model's name states ``key`` (``resnet20`` is depth 20, ``ssd300`` the ssd300 variant): a
+    value that contradicts it would run, and be recorded, under the wrong name. ``pattern``: the names that
+    state it, its group 1 the value they state; a name that does not match states nothing."""
+    value, name = getattr(obj, key), getattr(obj, "name", None)
+    found = re.fullmatch(pattern, name) if isinstance(name, str) and not _unset(value) else None
+    if found is not None and str(value) != found.group(1):
+        raise FieldError(
+            key, f"={value} contradicts model.name={name} (the model with {key} {found.group(1)}): drop the "
+            f"override, pick the model with {key} {value}, or give yours its own model.name",
+            found.group(1),
+        )  # fmt: skip
 
 
 def each(obj: Any, name: str, example: Any, **bounds: Any) -> None:
@@ -265,6 +280,7 @@ class TrainConf:
     optimizer: Any = MISSING
     schedule: Any = MISSING
     logger: Any = MISSING
+    task: Any = MISSING
 
 
 # ---------------------------------------------------------------------------------------------- groups
@@ -275,6 +291,9 @@ class PartConf:
     """What every group's node has: the class or function it builds, and a name for runs and tables."""
 
     OPEN: ClassVar[bool] = False
+    #: For a model: the data it trains on (a task's ``kind``: classification, detection, language_model);
+    #: None for a model of the user's (checked when its task is built).
+    TASK: ClassVar[str | None] = None
     _target_: str = MISSING
     name: str = meta()
 
@@ -541,26 +560,64 @@ class CustomLoggerConf:
     wandb: Any = meta(None)
 
 
+# task
+
+
+@dataclass
+class ClassificationTaskConf(PartConf):
+    """``task=classification``: cross-entropy and top-1 accuracy (adaloss.engine.tasks)."""
+
+    _target_: str = "adaloss.engine.tasks.ClassificationTask"
+    name: str = meta("classification")
+
+
+@dataclass
+class DetectionTaskConf(PartConf):
+    """``task=detection``: SSD's multibox loss and VOC07 mAP; ``init`` follows the detector's config."""
+
+    _target_: str = "adaloss.engine.tasks.DetectionTask"
+    name: str = meta("detection")
+    init: str = "${oc.select:model.init,default}"
+
+    def __post_init__(self) -> None:
+        choice(self, "init", ("default", "lsuv"))
+
+
+@dataclass
+class LanguageModelTaskConf(PartConf):
+    """``task=language_model``: next-token cross-entropy, validation loss and perplexity."""
+
+    _target_: str = "adaloss.engine.tasks.LanguageModelTask"
+    name: str = meta("language_model")
+
+
 # model
 
 
 @dataclass
 class CifarResNetConf(PartConf):
+    TASK: ClassVar[str | None] = "classification"
     _target_: str = "adaloss.models.cifar_resnet.CifarResNet"
     depth: int = MISSING
 
     def __post_init__(self) -> None:
         positive_int(self, "depth", 20)
+        named_after(self, "depth", r"resnet(\d+)")
 
 
 @dataclass
 class TorchvisionResNetConf(PartConf):
+    TASK: ClassVar[str | None] = "classification"
     _target_: str = "adaloss.models.torchvision_resnet.torchvision_resnet"
     arch: str = MISSING
+
+    def __post_init__(self) -> None:
+        named_after(self, "arch", r"(resnet\d+)")
 
 
 @dataclass
 class MLPConf(PartConf):
+    TASK: ClassVar[str | None] = "classification"
     _target_: str = "adaloss.models.mlp.MLP"
     name: str = meta("mlp")
     hidden: list[int] = field(default_factory=lambda: [256, 256])
@@ -572,6 +629,7 @@ class MLPConf(PartConf):
 
 @dataclass
 class VGGConf(PartConf):
+    TASK: ClassVar[str | None] = "classification"
     _target_: str = "adaloss.models.vgg.VGGNoBN"
     name: str = meta("vgg_nobn")
     widths: list[Any] = field(default_factory=lambda: [64, "M", 128, "M", 256, 256, "M", 512, "M"])
@@ -579,6 +637,7 @@ class VGGConf(PartConf):
 
 @dataclass
 class ViTConf(PartConf):
+    TASK: ClassVar[str | None] = "classification"
     _target_: str = "adaloss.models.vit.ViT"
     name: str = meta("vit")
     patch: int = 4
@@ -597,6 +656,7 @@ class ViTConf(PartConf):
 
 @dataclass
 class GPTConf(PartConf):
+    TASK: ClassVar[str | None] = "language_model"
     _target_: str = "adaloss.models.gpt.GPT"
     n_layer: int = MISSING  # set by configs/model/gpt.yaml (4) and gpt2_small.yaml (12)
     n_head: int = MISSING
@@ -617,6 +677,7 @@ class GPTConf(PartConf):
 
 @dataclass
 class SSDConf(PartConf):
+    TASK: ClassVar[str | None] = "detection"
     _target_: str = "adaloss.models.ssd.ssd_detector"
     variant: str = MISSING
     image_size: int = MISSING
@@ -627,6 +688,7 @@ class SSDConf(PartConf):
 
     def __post_init__(self) -> None:
         choice(self, "variant", ("ssd300", "ssd512"))
+        named_after(self, "variant", r"(ssd\d+)")
         number(self, "image_size", 512, 32, integer=True)
         number(self, "width_multiplier", 1.0, 0.0, low_open=True)
         number(self, "background_prior", 0.99, 0.0, 1.0, low_open=True, high_open=True, optional=True)
@@ -803,6 +865,10 @@ SCHEMAS: tuple[tuple[str, str, type], ...] = (
     ("logger", "wandb", WandbLoggerConf),
     ("logger", "none", NoLoggerConf),
     ("logger", "custom", CustomLoggerConf),
+    ("task", "classification", ClassificationTaskConf),
+    ("task", "detection", DetectionTaskConf),
+    ("task", "language_model", LanguageModelTaskConf),
+    ("task", "custom", CustomConf),
     ("model", "cifar_resnet", CifarResNetConf),
     ("model", "torchvision_resnet", TorchvisionResNetConf),
     ("model", "mlp", MLPConf),
@@ -835,7 +901,7 @@ def register() -> None:
 # --------------------------------------------------------------------------------------------- checking
 
 #: The groups whose node is typed by its option's schema, with an example of choosing an option.
-GROUPS = ("model", "dataset", "scaler", "precision", "optimizer", "schedule", "logger")
+GROUPS = ("model", "dataset", "task", "scaler", "precision", "optimizer", "schedule", "logger")
 #: Top-level sections with a schema of their own.
 SECTIONS = ("trainer", "adaptive_recipe", "dynamic_recipe", "telemetry", "faults", "paths")
 

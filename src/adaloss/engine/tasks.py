@@ -12,8 +12,10 @@ the evaluation metric.
 * :class:`LanguageModelTask`: next-token cross-entropy over every position of ``[B, T]`` token windows;
   validation loss (``val_loss``, nats per token, lower is better) and perplexity (``exp(val_loss)``).
 
-The dataset decides the task (its ``DatasetInfo.task``); :func:`check_model_and_dataset` refuses a bundled
-model of another kind before anything is built.
+Every task is built from the ``task`` config group's ``_target_`` (``configs/task/``; each dataset config
+selects the one its data calls for, ``task=custom task._target_=my_pkg.MyTask`` plugs in a class of the
+user's): :func:`build_task`. A task's ``kind`` names the data it trains on; :func:`check_model_and_dataset`
+refuses a bundled model of another kind before anything is built.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from adaloss.metrics.voc_map import voc07_map
 from adaloss.models import GPT, SSDDetector, build_model, bundled_model
 from adaloss.models.ssd import lsuv_init_
 from adaloss.precision import Precision
+from adaloss.schemas import schema_of
 
 __all__ = [
     "ClassificationTask",
@@ -43,6 +46,7 @@ __all__ = [
     "Task",
     "build_task",
     "check_model_and_dataset",
+    "task_class",
 ]
 
 
@@ -56,9 +60,14 @@ class Evaluation(dict):
 
 class Task(ABC):
     """Interface of a training task. Subclasses set ``metric`` (the ``metrics.json`` key of the test metric),
-    ``log_name`` (its W&B name under ``test/``), ``collate_fn`` and, for a metric where lower is better,
-    ``lower_is_better``, and implement the three abstract methods."""
+    ``log_name`` (its W&B name under ``test/``), ``collate_fn``, for a metric where lower is better
+    ``lower_is_better``, and ``kind``, the data they train on (``DatasetInfo.task``: ``classification``,
+    ``detection``, ``language_model``; None: any), and implement the three abstract methods.
 
+    :func:`build_task` calls the class with ``model`` and ``device``, and with ``info`` (the dataset's
+    ``DatasetInfo``) where ``__init__`` takes it; further arguments come from the ``task`` config."""
+
+    kind: str | None = None
     metric: str
     log_name: str
     collate_fn: Callable[[list[Any]], Any] | None = None
@@ -113,6 +122,7 @@ class Task(ABC):
 class ClassificationTask(Task):
     """Cross-entropy on ``(images [B, C, H, W], labels [B])`` batches; top-1 accuracy."""
 
+    kind = "classification"
     metric = "test_accuracy"
     log_name = "accuracy"
 
@@ -140,19 +150,31 @@ class ClassificationTask(Task):
 class DetectionTask(Task):
     """SSD on ``(images [B, 3, S, S], [target dict, ...])`` batches (``detection_collate``); VOC07 mAP.
 
-    ``detector`` is the :class:`~adaloss.models.ssd.SSDDetector`; ``self.model`` is its ``net``.
+    ``model`` is the :class:`~adaloss.models.ssd.SSDDetector` (kept as ``detector``); ``self.model`` is its
+    ``net``. ``info``: the dataset's ``DetectionInfo`` (its class names, its image size). ``init``: the
+    data-dependent initialization (``model.init``, read by ``configs/task/detection.yaml``).
+    ``ConfigError`` for a model that is not an SSD detector or expects another image size than the data's.
     """
 
+    kind = "detection"
     metric = "map"
     log_name = "map"
     collate_fn = staticmethod(detection_collate)
 
-    def __init__(
-        self, detector: Any, device: torch.device, class_names: tuple[str, ...], init: str = "default"
-    ) -> None:
-        super().__init__(detector.net, device)
-        self.detector = detector.to(device)  # the default boxes move with it
-        self.class_names = class_names
+    def __init__(self, model: Any, device: torch.device, info: Any, init: str = "default") -> None:
+        if not isinstance(model, SSDDetector):
+            raise ConfigError(
+                f"dataset {info.name} is a detection dataset and needs an SSD detector (model=ssd512 or "
+                f"model=ssd300), not a {type(model).__name__}"
+            )
+        if model.image_size != info.image_size:
+            raise ConfigError(
+                f"model.image_size={model.image_size} but the dataset's images are {info.image_size} pixels: "
+                "set dataset.image_size to the model's (the detection configs interpolate it)"
+            )
+        super().__init__(model.net, device)
+        self.detector = model.to(device)  # the default boxes move with it
+        self.class_names = tuple(getattr(info, "class_names", ())) or None
         self.init = init
 
     def initialize(self, train_set: Any, images: int = 16) -> None:
@@ -206,9 +228,23 @@ class LanguageModelTask(Task):
     ``val_loss``, with ``perplexity = exp(val_loss)``; lower is better, so ``best_val_loss`` is the lowest.
     """
 
+    kind = "language_model"
     metric = "val_loss"
     log_name = "loss"
     lower_is_better = True
+
+    def __init__(self, model: nn.Module, device: torch.device, info: Any = None) -> None:
+        """``ConfigError`` for a GPT whose vocabulary or context is smaller than the data's (``info``)."""
+        if isinstance(model, GPT) and info is not None:
+            c = model.config
+            if c.vocab_size < info.vocab_size or c.block_size < info.block_size:
+                raise ConfigError(
+                    f"model vocab_size={c.vocab_size}, block_size={c.block_size} cannot take dataset "
+                    f"{info.name}'s vocabulary of {info.vocab_size} and windows of {info.block_size} tokens: "
+                    "raise model.vocab_size and model.block_size or leave them unset (they follow the "
+                    "dataset)"
+                )
+        super().__init__(model, device)
 
     def to_device(self, batch: Any) -> tuple[Tensor, Tensor]:
         x, y = batch
@@ -261,7 +297,8 @@ def _perplexity(loss: float) -> float:
     return math.exp(loss) if loss < 700 else math.inf  # exp overflows a float past ~709
 
 
-#: Per kind of data: what its models and its datasets are called in messages, and examples of each.
+#: Per kind of data (a task's ``kind``): what its models and its datasets are called in messages, and
+#: examples of each.
 _KINDS = {
     "classification": (
         "an image classifier",
@@ -272,85 +309,88 @@ _KINDS = {
     "detection": ("a detector", "detection", "model=ssd512 or model=ssd300", "dataset=shapes or dataset=voc"),
     "language_model": ("a language model", "text", "model=gpt", "dataset=pystdlib or dataset=tokens"),
 }
+_EXAMPLE = "task=custom task._target_=my_pkg.MyTask"
 
 
-def dataset_kind(name: str) -> str | None:
-    """``classification``, ``detection`` or ``language_model`` for a bundled dataset name; else None."""
-    from adaloss.data import DATASET_NAMES, DETECTION_DATASET_NAMES, TEXT_DATASET_NAMES
+def task_class(cfg_task: Any) -> type[Task]:
+    """The class a ``task`` config's ``_target_`` names (imported, not built); ``ConfigError`` if it is not
+    a :class:`Task`."""
+    from adaloss.utils.targets import config_items, locate_target
 
-    if name in DETECTION_DATASET_NAMES:
-        return "detection"
-    if name in TEXT_DATASET_NAMES:
-        return "language_model"
-    return "classification" if name in DATASET_NAMES else None
+    path = config_items(cfg_task).get("_target_")
+    cls = locate_target("task", path, _EXAMPLE)
+    if not (isinstance(cls, type) and issubclass(cls, Task)):
+        raise ConfigError(
+            f"task._target_={path} is not a subclass of adaloss.engine.tasks.Task: derive your task from it "
+            f"(or from ClassificationTask), e.g. {_EXAMPLE}"
+        )
+    return cls
 
 
-def check_model_and_dataset(cfg_model: Any, dataset: str) -> None:
-    """``ConfigError`` unless a bundled model suits the dataset ``dataset`` (a bundled name): a detector
-    needs detection data, a language model text, a classifier images. A model of the user's own
-    (``model._target_``) is checked when it is built. Reads only names; builds nothing."""
-    name, bundled = bundled_model(cfg_model)
-    data_kind = dataset_kind(dataset)
-    if bundled is None or data_kind is None or bundled.task == data_kind:
+def check_model_and_dataset(cfg: Any) -> None:
+    """``ConfigError`` unless a bundled model suits the task its dataset selects (``cfg.task``: a detector
+    needs detection data, a language model text, a classifier images). A model of the user's own
+    (``model=custom``) and a task of the user's without a ``kind`` are checked when they are built. Reads
+    the names and the model's schema; builds nothing."""
+    name, bundled = bundled_model(cfg.model)
+    model_kind = getattr(schema_of(bundled), "TASK", None) if bundled is not None else None
+    data_kind = task_class(cfg.task).kind
+    if model_kind is None or data_kind is None or model_kind == data_kind:
         return
-    model_kind = bundled.task
+    dataset = f"{cfg.dataset.name}"
+    task = f"(task={cfg.task.name})"
     if "detection" in (model_kind, data_kind) and "language_model" not in (model_kind, data_kind):
         if model_kind == "detection":
             raise ConfigError(
-                f"model={name} is a detector but dataset={dataset} is a classification dataset: use a "
-                "detection "
-                f"dataset (dataset=shapes or dataset=voc) or a classifier (e.g. model=resnet20)"
+                f"model={name} is a detector but dataset={dataset} is a classification dataset {task}: use "
+                "a detection dataset (dataset=shapes or dataset=voc) or a classifier (e.g. model=resnet20)"
             )
         raise ConfigError(
-            f"dataset={dataset} is a detection dataset but model={name} is a classifier: use a detector "
-            f"(model=ssd512 or model=ssd300) or a classification dataset (e.g. dataset=cifar10)"
+            f"dataset={dataset} is a detection dataset but model={name} is a classifier {task}: use a "
+            "detector (model=ssd512 or model=ssd300) or a classification dataset (e.g. dataset=cifar10)"
         )
     what, _, _, model_data = _KINDS[model_kind]
     _, data_what, data_model, _ = _KINDS[data_kind]
     raise ConfigError(
-        f"model={name} is {what} but dataset={dataset} is a {data_what} dataset: use {model_data} for this "
-        f"model, or {data_model} for this dataset"
+        f"model={name} is {what} but dataset={dataset} is a {data_what} dataset {task}: use {model_data} "
+        f"for this model, or {data_model} for this dataset"
     )
 
 
-def build_task(cfg_model: Any, info: DatasetInfo, device: torch.device) -> Task:
-    """The task the dataset calls for, with the model built on ``device``; checks that they fit together.
+def build_task(cfg: Any, info: DatasetInfo, device: torch.device) -> Task:
+    """The run's task: ``hydra.utils.instantiate`` of ``cfg.task``'s ``_target_`` (the dataset's config
+    selects it: ``task=detection`` for ``dataset=shapes``), called with the model (``cfg.model``, built for
+    the data, on ``device``), ``device`` and the dataset's ``info`` where its ``__init__`` names them.
 
-    Raises ``ConfigError`` for a model of another kind than the data (a detector on images, a classifier
-    on text, ...), and for a model too small for the data (a GPT's vocabulary or context).
+    Raises ``ConfigError`` for a task that does not serve the data (``info.task``, as the dataset's builder
+    returned it, against the task's ``kind``), and for a model the task cannot train (the task's
+    ``__init__``: a classifier on detection data, a GPT too small for the data's vocabulary or context).
     """
-    data_kind = getattr(info, "task", "classification")
-    check_model_and_dataset(cfg_model, info.name)
-    if data_kind == "language_model":
-        model = build_model(cfg_model, vocab_size=info.vocab_size, block_size=info.block_size)
-        if isinstance(model, GPT):
-            c = model.config
-            if c.vocab_size < info.vocab_size or c.block_size < info.block_size:
-                raise ConfigError(
-                    f"model vocab_size={c.vocab_size}, block_size={c.block_size} cannot take dataset "
-                    f"{info.name}'s "
-                    f"vocabulary of {info.vocab_size} and windows of {info.block_size} tokens: raise "
-                    "model.vocab_size "
-                    "and model.block_size or leave them unset (they follow the dataset)"
-                )
-        return LanguageModelTask(model.to(device), device)
-    model = build_model(cfg_model, info.num_classes, input_shape=info.input_shape)
-    if data_kind == "detection":
-        if not isinstance(model, SSDDetector):
-            raise ConfigError(
-                f"dataset {info.name} is a detection dataset and needs an SSD detector (model=ssd512 or "
-                f"model=ssd300), not a {type(model).__name__}"
-            )
-        if model.image_size != info.image_size:
-            raise ConfigError(
-                f"model.image_size={model.image_size} but the dataset's images are {info.image_size} pixels: "
-                "set dataset.image_size to the model's (the detection configs interpolate it)"
-            )
-        init = str(
-            cfg_model.get("init", "default") if hasattr(cfg_model, "get") else "default"
-        )  # schema-checked
-        return DetectionTask(model, device, tuple(getattr(info, "class_names", ())) or None, init)
-    return ClassificationTask(model.to(device), device)
+    from adaloss.schemas import typed
+    from adaloss.utils.targets import build_target
+
+    node = typed("task", cfg.task)
+    kind, data_kind = task_class(node).kind, getattr(info, "task", "classification")
+    if kind is not None and kind != data_kind:
+        raise ConfigError(
+            f"dataset {info.name} holds {data_kind} data (its DatasetInfo.task) but task={node.name} trains "
+            f"{kind}: choose task={data_kind} (a dataset of your own selects no task: add it on the command "
+            "line)"
+        )
+    model = build_model(
+        cfg.model,
+        info.num_classes,
+        input_shape=info.input_shape,
+        vocab_size=getattr(info, "vocab_size", None),
+        block_size=getattr(info, "block_size", None),
+    ).to(device)
+    made = build_target("task", node, example=_EXAMPLE, fill={"model": model, "device": device, "info": info})
+    if not isinstance(made, Task):
+        raise ConfigError(
+            f"task._target_={node._target_} returned a {type(made).__name__}, not an "
+            f"adaloss.engine.tasks.Task: e.g. {_EXAMPLE}"
+        )
+    return made
 
 
 class _Window:

@@ -314,7 +314,7 @@ def _build_data(cfg: DictConfig, ranks: DistInfo) -> tuple[Task, Any, DataLoader
     the dataset's info and the training and test loaders."""
     device = ranks.device
     train_set, test_set, info = build_datasets(cfg.dataset, cfg.paths.data_dir)
-    task = build_task(cfg.model, info, device)
+    task = build_task(cfg, info, device)
     task.initialize(train_set)  # e.g. model.init=lsuv; the same on every rank (same seed, same samples)
     workers = int(cfg.trainer.num_workers)
     # batch_size is the global batch; under DDP each rank loads its share of every global batch

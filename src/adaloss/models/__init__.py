@@ -5,11 +5,12 @@ builder knows no model by name. ``model.name`` is metadata: run folders, tables,
 and the checks below go by it. What depends on the data is filled in by parameter name when the config does
 not set it: ``num_classes``, ``in_channels``, ``image_size``, ``in_features`` (channels x height x width),
 and for language models ``vocab_size`` and ``block_size``. So a user's own ``nn.Module`` trains unchanged
-with ``python train.py model._target_=my_pkg.MyNet model.name=mynet`` (plus ``+model.<arg>=...``).
+with ``python train.py model=custom model._target_=my_pkg.MyNet model.name=mynet`` (plus
+``+model.<arg>=...``).
 
-``BUNDLED_MODELS`` lists the bundled models: for each name its target, the arguments that make it that
-model (``resnet20`` is the CIFAR ResNet of depth 20) and the task it serves. A config of a bundled name
-without ``_target_`` (``{"name": "resnet20"}``, as scripts and tests write) builds that model.
+The bundled models are the files of ``configs/model/`` (each with its schema, :mod:`adaloss.schemas`, which
+also says what data the model trains on: its ``TASK``). A config of a bundled name without ``_target_``
+(``{"name": "resnet20"}``, as scripts and tests write) is that file, with the mapping's keys on top.
 
 Every bundled model traces with ``torch.fx.symbolic_trace`` (the adaptive scaler rewrites models with
 torch.fx), uses non-in-place activations and has torchvision-like module names (``layer3.2.conv1``,
@@ -18,9 +19,13 @@ torch.fx), uses non-in-place activations and has torchvision-like module names (
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import functools
+import os
+import re
+from pathlib import Path
 from typing import Any
 
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from adaloss.errors import ConfigError
@@ -30,16 +35,13 @@ from adaloss.models.mlp import MLP
 from adaloss.models.ssd import DETECTION_MODEL_NAMES, SSDDetector, build_detector
 from adaloss.models.vgg import VGGNoBN
 from adaloss.models.vit import ViT
+from adaloss.schemas import SCHEMAS, check_node, schema_of
 from adaloss.utils.targets import build_target, config_items
 
 __all__ = [
-    "ALL_MODEL_NAMES",
-    "BUNDLED_MODELS",
     "DETECTION_MODEL_NAMES",
     "GPT",
     "GPTConfig",
-    "LANGUAGE_MODEL_NAMES",
-    "MODEL_NAMES",
     "MLP",
     "CifarResNet",
     "SSDDetector",
@@ -49,68 +51,59 @@ __all__ = [
     "build_detector",
     "build_model",
     "bundled_model",
+    "model_names",
 ]
 
 
-@dataclass(frozen=True)
-class BundledModel:
-    """A model this package ships: ``target`` (its ``_target_``), ``fixed`` (the arguments that make it
-    this model; a config may repeat them but not change them) and ``task`` (the data it trains on:
-    ``classification``, ``detection`` or ``language_model``)."""
-
-    target: str
-    task: str = "classification"
-    fixed: dict[str, Any] = field(default_factory=dict)
+#: Where the bundled models' configs are: the repository's ``configs/`` (``ADALOSS_ROOT`` where the package
+#: is installed apart from it).
+CONFIG_DIR = Path(__file__).resolve().parents[3] / "configs"
+_EXAMPLE = "model=custom model._target_=my_pkg.MyNet model.name=mynet"
+_KIND_ORDER = ("classification", "detection", "language_model")
 
 
-_RESNET = "adaloss.models.cifar_resnet.CifarResNet"
-_TV_RESNET = "adaloss.models.torchvision_resnet.torchvision_resnet"
-_SSD = "adaloss.models.ssd.ssd_detector"
-_GPT = "adaloss.models.gpt.GPT"
-
-#: The bundled models by ``model.name``; ``configs/model/<name>.yaml`` carries the same target and fixed
-#: arguments (``tests/test_targets.py`` checks that they agree).
-BUNDLED_MODELS: dict[str, BundledModel] = {
-    "resnet20": BundledModel(_RESNET, fixed={"depth": 20}),
-    "resnet56": BundledModel(_RESNET, fixed={"depth": 56}),
-    "resnet110": BundledModel(_RESNET, fixed={"depth": 110}),
-    "resnet18": BundledModel(_TV_RESNET, fixed={"arch": "resnet18"}),
-    "resnet50": BundledModel(_TV_RESNET, fixed={"arch": "resnet50"}),
-    "mlp": BundledModel("adaloss.models.mlp.MLP"),
-    "vgg_nobn": BundledModel("adaloss.models.vgg.VGGNoBN"),
-    "vit": BundledModel("adaloss.models.vit.ViT"),
-    "ssd300": BundledModel(_SSD, "detection", {"variant": "ssd300"}),
-    "ssd512": BundledModel(_SSD, "detection", {"variant": "ssd512"}),
-    "gpt": BundledModel(_GPT, "language_model"),
-    "gpt2_small": BundledModel(_GPT, "language_model", {"n_layer": 12, "n_head": 12, "n_embd": 768}),
-}
-#: The convolutional and MLP image classifiers (the paper's kind of model).
-MODEL_NAMES: tuple[str, ...] = (
-    "resnet20",
-    "resnet56",
-    "resnet110",
-    "resnet18",
-    "resnet50",
-    "mlp",
-    "vgg_nobn",
-)
-LANGUAGE_MODEL_NAMES: tuple[str, ...] = ("gpt", "gpt2_small")
-#: Every bundled name, classifiers first (the order error messages list them in).
-ALL_MODEL_NAMES: tuple[str, ...] = (*MODEL_NAMES, "vit", *DETECTION_MODEL_NAMES, *LANGUAGE_MODEL_NAMES)
-assert set(ALL_MODEL_NAMES) == set(BUNDLED_MODELS)
-
-#: Not arguments of the target: ``name`` (what the run is called) and, for the bundled detectors, ``init``
-#: (the detection task's data-dependent initialization, ``model.init=lsuv``).
-MODEL_METADATA = ("name",)
-DETECTOR_METADATA = ("name", "init")
-_EXAMPLE = "model._target_=my_pkg.MyNet model.name=mynet"
+def _config_dir() -> Path:
+    root = os.environ.get("ADALOSS_ROOT")
+    return CONFIG_DIR if CONFIG_DIR.is_dir() or not root else Path(root) / "configs"
 
 
-def bundled_model(cfg: Any) -> tuple[str, BundledModel | None]:
-    """``(model.name, its BundledModel or None for a model of the user's own)``, after the checks that need
-    no data: a name, a known name for a bundled target, the fixed arguments unchanged, and a name of the
-    user's own for a replaced ``_target_`` (runs, tables and checkpoints would otherwise carry the replaced
-    model's name). ``ConfigError`` naming the fix otherwise. No imports of the target, no side effects."""
+@functools.cache
+def _bundled(name: str) -> DictConfig | None:
+    """``configs/model/<name>.yaml`` over its schema (read-only; None if there is no such file)."""
+    path = _config_dir() / "model" / f"{name}.yaml"
+    if name == "custom" or not path.is_file():
+        return None
+    body = OmegaConf.load(path)
+    defaults = [str(d) for d in body.pop("defaults", [])]
+    node = body.get("model", body) if "@package _global_" in path.read_text().splitlines()[0] else body
+    schema = next(d for d in defaults if d.startswith("/schema/model/")).split("@")[0]
+    kind = next(k for g, n, k in SCHEMAS if f"/schema/{g}/{n}" == schema)
+    merged = OmegaConf.merge(OmegaConf.structured(kind), node)
+    OmegaConf.set_readonly(merged, True)
+    return merged
+
+
+def model_names(task: str | None = None) -> tuple[str, ...]:
+    """The bundled models' names (``configs/model/*.yaml``), classifiers first, then detectors and language
+    models; ``task``: only those that train on that data (``classification``, ``detection``,
+    ``language_model``)."""
+    names = [p.stem for p in (_config_dir() / "model").glob("*.yaml") if _bundled(p.stem) is not None]
+
+    def order(name: str) -> tuple[int, str, int]:
+        kind = getattr(schema_of(_bundled(name)), "TASK", None)
+        stem, digits = re.fullmatch(r"(.*?)(\d*)", name).groups()  # type: ignore[union-attr]
+        rank = _KIND_ORDER.index(kind) if kind in _KIND_ORDER else len(_KIND_ORDER)
+        return rank, stem, int(digits or 0)
+
+    chosen = [n for n in names if task is None or getattr(schema_of(_bundled(n)), "TASK", None) == task]
+    return tuple(sorted(chosen, key=order))
+
+
+def bundled_model(cfg: Any) -> tuple[str, DictConfig | None]:
+    """``(model.name, the bundled model's config or None for a model of the user's own)``, after the checks
+    that need no data: a name, a known name without a ``_target_``, and a name of the user's own for a
+    replaced ``_target_`` (runs, tables and checkpoints would otherwise carry the replaced model's name).
+    ``ConfigError`` naming the fix otherwise. No imports of the target, no side effects."""
     items = config_items(cfg)
     name = items.get("name")
     if not isinstance(name, str) or not name:
@@ -120,31 +113,40 @@ def bundled_model(cfg: Any) -> tuple[str, BundledModel | None]:
             f"name your own model: {_EXAMPLE}"
         )
     target = items.get("_target_")
-    bundled = BUNDLED_MODELS.get(name)
-    bundled_targets = {b.target for b in BUNDLED_MODELS.values()}
+    bundled = _bundled(name)
     if bundled is None:
+        bundled_targets = {_bundled(n)._target_ for n in model_names()}  # type: ignore[union-attr]
         if target is None or target in bundled_targets:
             raise ConfigError(
-                f"unknown model '{name}': choose one of {', '.join(ALL_MODEL_NAMES)} (on the command line: "
+                f"unknown model '{name}': choose one of {', '.join(model_names())} (on the command line: "
                 "model= "
                 f"one of them), or name a model of your own: {_EXAMPLE}"
             )
         return name, None
-    if target is not None and target != bundled.target:
+    if target is not None and target != bundled._target_:
         raise ConfigError(
-            f"model._target_={target} replaces the network of model={name} ({bundled.target}), but "
+            f"model._target_={target} replaces the network of model={name} ({bundled._target_}), but "
             "model.name is "
             f"still '{name}': give your model its own name for run folders, tables and checkpoints, e.g. "
             f"model.name={str(target).rsplit('.', 1)[-1].lower()}"
         )
-    for key, value in bundled.fixed.items():
-        if key in items and items[key] != value:
-            raise ConfigError(
-                f"model {name} has {key} {value}, but model.{key}={items[key]}: drop the override or pick "
-                "the "
-                f"model with that {key}"
-            )
     return name, bundled
+
+
+def _typed_model(cfg: Any) -> Any:
+    """``cfg`` ready to build: a composed node as it is; a mapping without ``_target_`` of a bundled name
+    that model's config with the mapping's keys on top, checked against its schema."""
+    name, bundled = bundled_model(cfg)
+    if schema_of(cfg) is not None or bundled is None:
+        return cfg
+    node = OmegaConf.merge(bundled, {})  # a writable copy
+    OmegaConf.set_readonly(node, False)
+    try:
+        node = OmegaConf.merge(node, config_items(cfg))
+    except Exception as error:  # noqa: BLE001 - an unknown key or a wrong type: one line naming it
+        raise ConfigError(f"model {name}: {str(error).splitlines()[0]}") from None
+    check_node(node, "model")
+    return node
 
 
 def build_model(
@@ -165,8 +167,7 @@ def build_model(
     Raises ``ConfigError`` for an unknown name, a bad target or invalid arguments; a target that does not
     return an ``nn.Module`` is one too. Cost: the target's import, allocation and init.
     """
-    name, bundled = bundled_model(cfg)
-    defaults = {"_target_": bundled.target, **bundled.fixed} if bundled else {}
+    cfg = _typed_model(cfg)
     fill: dict[str, Any] = {k: v for k, v in data.items() if v is not None}
     if num_classes is not None:
         fill["num_classes"] = int(num_classes)
@@ -179,11 +180,10 @@ def build_model(
     if input_shape is not None:
         fill.update({k: v for k, v in from_shape.items() if k not in fill})
     else:
-        fill.update(_required_only(cfg, defaults, from_shape))
-    metadata = DETECTOR_METADATA if bundled is not None and bundled.task == "detection" else MODEL_METADATA
-    model = build_target("model", cfg, example=_EXAMPLE, fill=fill, metadata=metadata, defaults=defaults)
+        fill.update(_required_only(cfg, from_shape))
+    model = build_target("model", cfg, example=_EXAMPLE, fill=fill)
     if not isinstance(model, nn.Module):
-        target = config_items(cfg).get("_target_", defaults.get("_target_"))
+        target = config_items(cfg).get("_target_")
         raise ConfigError(
             f"model._target_={target} returned a {type(model).__name__}, not a torch.nn.Module: name the "
             "module's "
@@ -192,11 +192,11 @@ def build_model(
     return model
 
 
-def _required_only(cfg: Any, defaults: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+def _required_only(cfg: Any, values: dict[str, Any]) -> dict[str, Any]:
     """The entries of ``values`` whose parameter in the target has no default."""
     from adaloss.utils.targets import locate_target, target_parameters
 
-    target = config_items(cfg).get("_target_", defaults.get("_target_"))
+    target = config_items(cfg).get("_target_")
     signature = target_parameters(locate_target("model", target, _EXAMPLE))
     if signature is None:
         return {}

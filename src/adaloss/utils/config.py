@@ -37,8 +37,8 @@ def validate_config(cfg: DictConfig) -> None:
 
 
 def _check_model_and_dataset(cfg: DictConfig) -> None:
-    """A model and a dataset that agree on a task (classification, detection or language modelling).
-    Reads only the names; imports no model."""
+    """A model and the task the dataset selects that agree (classification, detection or language
+    modelling). Reads the names, the model's schema and the task's class; imports no model."""
     # Imported here: these modules pull in torch and torchvision, which `--help` and `--cfg` do not need.
     from adaloss.data import DATASET_NAMES, DETECTION_DATASET_NAMES, TEXT_DATASET_NAMES
     from adaloss.engine.tasks import check_model_and_dataset
@@ -50,7 +50,7 @@ def _check_model_and_dataset(cfg: DictConfig) -> None:
             known = ", ".join(DATASET_NAMES + DETECTION_DATASET_NAMES + TEXT_DATASET_NAMES)
             raise ConfigError(f"unknown dataset '{dataset}' (dataset.name): choose dataset= one of {known}")
         return  # a dataset of the user's own: its task is known once it is built
-    check_model_and_dataset(cfg.model, dataset)
+    check_model_and_dataset(cfg)
 
 
 def _name(node: Any, section: str) -> str:
