@@ -340,3 +340,40 @@ def test_loader_rejects_a_batch_larger_than_the_training_set() -> None:
     assert len(make_loader(train, 128, train=False, seed=0)) == 1
     with pytest.raises(ConfigError, match="batch_size"):
         make_loader(train, 0, train=False, seed=0)
+
+
+# ------------------------------------------------------------------------------- defaults in one place
+
+
+def test_every_bundled_dataset_builder_takes_its_schema_and_has_no_defaults() -> None:
+    """The dataset schemas (adaloss.schemas) are the one place for a dataset's defaults: each bundled
+    builder takes exactly its schema's fields (plus data_dir) and gives none of them a default of its own,
+    which could drift from the schema's (and would decide library calls)."""
+    import dataclasses
+    import inspect
+
+    from hydra.utils import get_object
+
+    from adaloss.schemas import SCHEMAS
+
+    checked = 0
+    for group, name, kind in SCHEMAS:
+        if group != "dataset" or kind.OPEN:
+            continue
+        fields = {f.name: f for f in dataclasses.fields(kind)}
+        params = inspect.signature(get_object(fields["_target_"].default)).parameters
+        assert set(params) - {"data_dir"} == set(fields) - {"_target_"}, name
+        assert [p for p in params.values() if p.default is not p.empty] == [], name
+        checked += 1
+    assert checked == 8
+
+
+def test_a_schema_default_is_what_the_builder_uses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A field left out of a library call gets its schema's default: change it there and the data follow."""
+    from adaloss.schemas import SyntheticConf
+
+    small = {"name": "synthetic", "image_size": 8, "train_size": 8, "test_size": 4}
+    assert build_datasets(small, "unused")[2].channels == 3
+    monkeypatch.setattr(SyntheticConf.__dataclass_fields__["channels"], "default", 1)
+    train, _, info = build_datasets(small, "unused")
+    assert info.channels == 1 and train[0][0].shape == (1, 8, 8)

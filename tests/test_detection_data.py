@@ -181,7 +181,7 @@ def test_voc_targets_feed_the_metric(tmp_path):
 
 def test_missing_voc_is_a_one_line_config_error(tmp_path):
     with pytest.raises(ConfigError) as info:
-        build_datasets({"name": "voc"}, tmp_path)
+        build_datasets({"name": "voc", "image_size": 64}, tmp_path)
     message = str(info.value)
     assert "\n" not in message
     assert "VOC 2007 trainval" in message and str(tmp_path) in message
@@ -192,7 +192,7 @@ def test_missing_voc_is_a_one_line_config_error(tmp_path):
     # 2007 present, 2012 (in the default train_sets) absent
     make_voc(tmp_path)
     with pytest.raises(ConfigError, match="VOC 2012 trainval"):
-        build_datasets({"name": "voc"}, tmp_path)
+        build_datasets({"name": "voc", "image_size": 64}, tmp_path)
     # the test list missing
     (tmp_path / "VOCdevkit/VOC2007/ImageSets/Main/test.txt").unlink()
     with pytest.raises(ConfigError, match="VOC 2007 test"):

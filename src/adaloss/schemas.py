@@ -701,7 +701,8 @@ class SSDConf(PartConf):
 @dataclass
 class DatasetConf:
     """Every dataset: its builder (``_target_``, called with ``data_dir`` if it takes one, returning
-    ``(train_set, test_set, info)``) and its ``name``, an argument (cifar10 and cifar100 share a builder)."""
+    ``(train_set, test_set, info)``) and its ``name``, an argument (cifar10 and cifar100 share a builder).
+    A bundled builder takes every field of its schema and has no defaults of its own: they are here."""
 
     OPEN: ClassVar[bool] = False
     _target_: str = MISSING
@@ -790,7 +791,7 @@ class ShapesConf(DatasetConf):
     def __post_init__(self) -> None:
         for key in ("num_classes", "train_size", "test_size", "min_objects", "max_objects"):
             positive_int(self, key, 4)
-        positive_int(self, "image_size", 128, optional=True)
+        number(self, "image_size", 128, 32, integer=True, optional=True)
         if not _unset(self.image_size) and self.max_objects < self.min_objects:
             raise FieldError("max_objects", f"must be >= dataset.min_objects ({self.min_objects})", 4)
 
@@ -806,8 +807,14 @@ class VOCConf(DatasetConf):
     test_set: Any = field(default_factory=lambda: [2007, "test"])
     augment: bool = True
     use_difficult: bool = False
-    mean: list[float] | None = None
+    mean: list[float] | None = None  # null: ImageNet's
     std: list[float] | None = None
+
+    def __post_init__(self) -> None:
+        number(self, "num_classes", 20, 1, integer=True)
+        number(self, "image_size", 512, 32, integer=True, optional=True)
+        each(self, "mean", "[0.485,0.456,0.406]")
+        each(self, "std", "[0.229,0.224,0.225]", low=0.0, low_open=True)
 
 
 @dataclass

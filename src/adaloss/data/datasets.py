@@ -28,7 +28,6 @@ from torchvision import datasets as tvd
 
 from adaloss.data import transforms as tr
 from adaloss.errors import ConfigError
-from adaloss.utils.fields import MISSING, config_field
 
 __all__ = ["DATASET_NAMES", "DatasetInfo", "TensorImageDataset", "cifar", "digits", "imagenet", "synthetic"]
 
@@ -38,10 +37,6 @@ DATASET_NAMES: tuple[str, ...] = ("cifar10", "cifar100", "imagenet", "digits", "
 _CIFAR10_MEAN, _CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 _CIFAR100_MEAN, _CIFAR100_STD = (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)
 _IMAGENET_MEAN, _IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
-
-
-def _field(cfg: Any, key: str, default: Any = MISSING) -> Any:
-    return config_field(cfg, key, default, group="dataset")
 
 
 @dataclass(frozen=True)
@@ -61,27 +56,19 @@ class DatasetInfo:
         return (self.channels, self.image_size, self.image_size)
 
 
-def _int_field(cfg: Any, key: str, default: Any = MISSING, minimum: int = 1) -> int:
-    value = _field(cfg, key, default)
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
-        raise ConfigError(f"dataset.{key} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
-
-
-def _stats(cfg: Any, key: str, default: Sequence[float], channels: int) -> list[float]:
-    values = [float(v) for v in _field(cfg, key, default)]
+def _stats(key: str, values: Sequence[float] | None, own: Sequence[float], channels: int) -> list[float]:
+    """``dataset.mean`` / ``dataset.std`` (the schema checks each value); null: the dataset's own."""
+    values = [float(v) for v in (own if values is None else values)]
     if len(values) != channels:
         raise ConfigError(f"dataset.{key} needs {channels} per-channel values, got {values}")
-    if key == "std" and any(v <= 0 for v in values):
-        raise ConfigError(f"dataset.std values must be positive, got {values}")
     return values
 
 
-def _check_num_classes(cfg: Any, name: str, expected: int) -> int:
-    num_classes = _int_field(cfg, "num_classes", expected)
-    if num_classes != expected:
+def _check_num_classes(num_classes: int | None, name: str, expected: int) -> int:
+    """``dataset.num_classes`` of a dataset whose classes are fixed (null: its own)."""
+    if num_classes is not None and num_classes != expected:
         raise ConfigError(f"dataset {name} has {expected} classes, but dataset.num_classes={num_classes}")
-    return num_classes
+    return expected
 
 
 class TensorImageDataset(Dataset):
@@ -155,19 +142,18 @@ def _cifar_files(cls: type[tvd.CIFAR10]) -> list[str]:
     return [f for f, _ in cls.train_list + cls.test_list] + [cls.meta["filename"]]
 
 
-def _build_cifar(cfg: Any, name: str, data_dir: Path) -> tuple[Dataset, Dataset, DatasetInfo]:
+def _build_cifar(cfg: dict[str, Any], name: str, data_dir: Path) -> tuple[Dataset, Dataset, DatasetInfo]:
     cls, pretty, classes = (_CIFAR10, "CIFAR-10", 10) if name == "cifar10" else (_CIFAR100, "CIFAR-100", 100)
     default_mean, default_std = (
         (_CIFAR10_MEAN, _CIFAR10_STD) if name == "cifar10" else (_CIFAR100_MEAN, _CIFAR100_STD)
     )
-    num_classes = _check_num_classes(cfg, name, classes)
-    image_size = _int_field(cfg, "image_size", 32)
+    num_classes = _check_num_classes(cfg["num_classes"], name, classes)
+    image_size = 32 if cfg["image_size"] is None else cfg["image_size"]
     if image_size != 32:
         raise ConfigError(f"{pretty} images are 32x32, but dataset.image_size={image_size}")
-    mean = _stats(cfg, "mean", default_mean, 3)
-    std = _stats(cfg, "std", default_std, 3)
-    augment = bool(_field(cfg, "augment", True))
-    download = bool(_field(cfg, "download", False))
+    mean = _stats("mean", cfg["mean"], default_mean, 3)
+    std = _stats("std", cfg["std"], default_std, 3)
+    augment, download = bool(cfg["augment"]), bool(cfg["download"])
 
     folder = data_dir / cls.base_folder
     missing = [f for f in _cifar_files(cls) if not (folder / f).is_file()]
@@ -219,11 +205,11 @@ def _image_folder(path: Path, split: str, transform: Any) -> tvd.ImageFolder:
         raise ConfigError(f"ImageNet {split} split at {path} has no images: {hint}") from exc
 
 
-def _build_imagenet(cfg: Any, data_dir: Path) -> tuple[Dataset, Dataset, DatasetInfo]:
-    num_classes = _int_field(cfg, "num_classes", 1000)
-    image_size = _int_field(cfg, "image_size", 224)
-    mean = _stats(cfg, "mean", _IMAGENET_MEAN, 3)
-    std = _stats(cfg, "std", _IMAGENET_STD, 3)
+def _build_imagenet(cfg: dict[str, Any], data_dir: Path) -> tuple[Dataset, Dataset, DatasetInfo]:
+    num_classes = 1000 if cfg["num_classes"] is None else cfg["num_classes"]  # null: ILSVRC2012's classes
+    image_size = 224 if cfg["image_size"] is None else cfg["image_size"]  # null: the usual 224 crop
+    mean = _stats("mean", cfg["mean"], _IMAGENET_MEAN, 3)
+    std = _stats("std", cfg["std"], _IMAGENET_STD, 3)
     root = data_dir / "imagenet"
     train = _image_folder(root / "train", "train", tr.imagenet_train_transform(mean, std, image_size))
     test = _image_folder(root / "val", "val", tr.imagenet_eval_transform(mean, std, image_size))
@@ -245,18 +231,16 @@ def _build_imagenet(cfg: Any, data_dir: Path) -> tuple[Dataset, Dataset, Dataset
 # --------------------------------------------------------------------------------------------- digits
 
 
-def _build_digits(cfg: Any) -> tuple[Dataset, Dataset, DatasetInfo]:
+def _build_digits(cfg: dict[str, Any]) -> tuple[Dataset, Dataset, DatasetInfo]:
     from sklearn.datasets import load_digits  # bundled with scikit-learn: no download
     from sklearn.model_selection import train_test_split
 
-    num_classes = _check_num_classes(cfg, "digits", 10)
-    image_size = _int_field(cfg, "image_size", 32, minimum=8)
-    fraction = float(_field(cfg, "test_fraction", 0.2))
-    if not 0.0 < fraction < 1.0:
-        raise ConfigError(f"dataset.test_fraction must be in (0, 1), got {fraction}")
-    split_seed = _int_field(cfg, "split_seed", 0, minimum=0)
-    augment = bool(_field(cfg, "augment", False))
-    translate = _int_field(cfg, "translate", 2, minimum=0) if augment else 0
+    num_classes = _check_num_classes(cfg["num_classes"], "digits", 10)
+    image_size = 32 if cfg["image_size"] is None else cfg["image_size"]
+    if image_size < 8:
+        raise ConfigError(f"dataset.image_size must be >= 8 (the digits are 8x8), got {image_size}")
+    fraction, split_seed = float(cfg["test_fraction"]), cfg["split_seed"]
+    translate = cfg["translate"] if cfg["augment"] else 0
 
     pixels, labels = load_digits(return_X_y=True)
     index = np.arange(len(labels))
@@ -291,22 +275,17 @@ def _build_digits(cfg: Any) -> tuple[Dataset, Dataset, DatasetInfo]:
 # ------------------------------------------------------------------------------------------ synthetic
 
 
-def _build_synthetic(cfg: Any) -> tuple[Dataset, Dataset, DatasetInfo]:
+def _build_synthetic(cfg: dict[str, Any]) -> tuple[Dataset, Dataset, DatasetInfo]:
     """Seeded class templates plus noise, learnable by any model in a few steps.
 
     Each class has a fixed smooth random template (8x8 noise, bilinearly upsampled, unit variance); a sample
     is its class template plus i.i.d. Gaussian noise of std ``noise``, scaled to unit variance. Classes are
     balanced. Everything is drawn from one generator seeded with ``seed``: same seed, same tensors.
     """
-    num_classes = _int_field(cfg, "num_classes", 10)
-    image_size = _int_field(cfg, "image_size", 32)
-    channels = _int_field(cfg, "channels", 3)
-    train_size = _int_field(cfg, "train_size", 1024)
-    test_size = _int_field(cfg, "test_size", 256)
-    seed = _int_field(cfg, "seed", 0, minimum=0)
-    noise = float(_field(cfg, "noise", 1.0))
-    if noise < 0:
-        raise ConfigError(f"dataset.noise must be >= 0, got {noise}")
+    num_classes = 10 if cfg["num_classes"] is None else cfg["num_classes"]  # null: 10 templates
+    image_size = 32 if cfg["image_size"] is None else cfg["image_size"]  # null: CIFAR's 32x32
+    channels, train_size, test_size = cfg["channels"], cfg["train_size"], cfg["test_size"]
+    seed, noise = cfg["seed"], float(cfg["noise"])
 
     gen = torch.Generator().manual_seed(seed)
     coarse = min(8, image_size)
@@ -337,27 +316,48 @@ def _build_synthetic(cfg: Any) -> tuple[Dataset, Dataset, DatasetInfo]:
 # dataset node's fields and paths.data_dir.
 
 
-def _given(fields: dict[str, Any]) -> dict[str, Any]:
-    """The fields a config sets: a null means the builder's own default (``val_windows: null`` excepted, which
-    means every window)."""
-    return {k: v for k, v in fields.items() if v is not None or k == "val_windows"}
+# Every field of the dataset's schema (adaloss.schemas) is passed: its defaults and ranges live there alone.
+# ``num_classes``, ``image_size``, ``mean`` and ``std`` may be null: the dataset's own.
 
 
-def cifar(data_dir: str | os.PathLike[str] = ".", **fields: Any) -> tuple[Dataset, Dataset, DatasetInfo]:
-    """``dataset=cifar10`` / ``cifar100`` (``fields["name"]``), under ``data_dir``."""
-    return _build_cifar(_given(fields), str(fields.get("name")), Path(data_dir).expanduser().resolve())
+def cifar(
+    data_dir: str | os.PathLike[str], *, name: str, num_classes: int | None, image_size: int | None,
+    mean: Sequence[float] | None, std: Sequence[float] | None, download: bool, augment: bool,
+) -> tuple[Dataset, Dataset, DatasetInfo]:  # fmt: skip
+    """``dataset=cifar10`` / ``cifar100`` (``name``), under ``data_dir``."""
+    fields = {"num_classes": num_classes, "image_size": image_size, "mean": mean, "std": std}
+    cfg = {**fields, "download": download, "augment": augment}
+    return _build_cifar(cfg, name, Path(data_dir).expanduser().resolve())
 
 
-def imagenet(data_dir: str | os.PathLike[str] = ".", **fields: Any) -> tuple[Dataset, Dataset, DatasetInfo]:
+def imagenet(
+    data_dir: str | os.PathLike[str], *, name: str, num_classes: int | None, image_size: int | None,
+    mean: Sequence[float] | None, std: Sequence[float] | None,
+) -> tuple[Dataset, Dataset, DatasetInfo]:  # fmt: skip
     """``dataset=imagenet``: ImageFolder ``imagenet/train`` and ``imagenet/val`` under ``data_dir``."""
-    return _build_imagenet(_given(fields), Path(data_dir).expanduser().resolve())
+    cfg = {"num_classes": num_classes, "image_size": image_size, "mean": mean, "std": std}
+    return _build_imagenet(cfg, Path(data_dir).expanduser().resolve())
 
 
-def digits(**fields: Any) -> tuple[Dataset, Dataset, DatasetInfo]:
-    """``dataset=digits``: scikit-learn's bundled digits."""
-    return _build_digits(_given(fields))
+def digits(
+    *, name: str, num_classes: int | None, image_size: int | None, mean: Sequence[float] | None,
+    std: Sequence[float] | None, test_fraction: float, split_seed: int, augment: bool, translate: int,
+) -> tuple[Dataset, Dataset, DatasetInfo]:  # fmt: skip
+    """``dataset=digits``: scikit-learn's bundled digits (normalized by their own statistics: ``mean``
+    and ``std`` are not used)."""
+    return _build_digits(
+        {"num_classes": num_classes, "image_size": image_size, "test_fraction": test_fraction,
+         "split_seed": split_seed, "augment": augment, "translate": translate}
+    )  # fmt: skip
 
 
-def synthetic(**fields: Any) -> tuple[Dataset, Dataset, DatasetInfo]:
-    """``dataset=synthetic``: seeded class templates plus noise."""
-    return _build_synthetic(_given(fields))
+def synthetic(
+    *, name: str, num_classes: int | None, image_size: int | None, mean: Sequence[float] | None,
+    std: Sequence[float] | None, channels: int, train_size: int, test_size: int, seed: int, noise: float,
+) -> tuple[Dataset, Dataset, DatasetInfo]:  # fmt: skip
+    """``dataset=synthetic``: seeded class templates plus noise (unit variance: ``mean`` and ``std`` are
+    not used)."""
+    return _build_synthetic(
+        {"num_classes": num_classes, "image_size": image_size, "channels": channels,
+         "train_size": train_size, "test_size": test_size, "seed": seed, "noise": noise}
+    )  # fmt: skip

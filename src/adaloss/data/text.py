@@ -39,7 +39,6 @@ from torch.utils.data import Dataset
 
 from adaloss.data.datasets import DatasetInfo
 from adaloss.errors import ConfigError
-from adaloss.utils.fields import MISSING, config_field
 
 __all__ = [
     "TEXT_DATASET_NAMES",
@@ -52,21 +51,6 @@ __all__ = [
 TEXT_DATASET_NAMES: tuple[str, ...] = ("pystdlib", "tokens")
 _SKIPPED_PREFIXES = ("_sysconfigdata", "sitecustomize", "usercustomize")
 _DTYPES = {"uint16": np.uint16, "uint32": np.uint32, "uint8": np.uint8}
-
-
-def _field(cfg: Any, key: str, default: Any = MISSING) -> Any:
-    return config_field(cfg, key, default, group="dataset")
-
-
-def _int(
-    cfg: Any, key: str, default: Any = MISSING, minimum: int = 1, allow_none: bool = False
-) -> int | None:
-    value = _field(cfg, key, default)
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
-        raise ConfigError(f"dataset.{key} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
 
 
 @dataclass(frozen=True)
@@ -138,12 +122,10 @@ def pystdlib_files(stdlib: str | os.PathLike[str] | None = None) -> list[Path]:
     return files
 
 
-def _build_pystdlib(cfg: Any) -> tuple[Dataset, Dataset, TextInfo]:
-    block_size = _int(cfg, "block_size", 128)
-    every = _int(cfg, "holdout_every", 10, minimum=2)
-    stride = _int(cfg, "stride", 1)
-    val_windows = _int(cfg, "val_windows", 256, allow_none=True)
-    files = pystdlib_files(_field(cfg, "stdlib", None))
+def _build_pystdlib(cfg: dict[str, Any]) -> tuple[Dataset, Dataset, TextInfo]:
+    block_size, every, val_windows = cfg["block_size"], cfg["holdout_every"], cfg["val_windows"]
+    stride = 1 if cfg["stride"] is None else cfg["stride"]  # null: every window
+    files = pystdlib_files(cfg["stdlib"])
     train_parts, val_parts = [], []
     digest = hashlib.sha256()
     for i, path in enumerate(files):
@@ -205,14 +187,13 @@ def read_token_folder(folder: Path) -> tuple[np.memmap, np.memmap, dict[str, Any
     return arrays[0], arrays[1], meta
 
 
-def _build_tokens(cfg: Any, data_dir: Path) -> tuple[Dataset, Dataset, TextInfo]:
-    block_size = _int(cfg, "block_size", 1024)
-    stride = _int(cfg, "stride", block_size)
-    val_windows = _int(cfg, "val_windows", 256, allow_none=True)
-    folder = Path(str(_field(cfg, "folder", "tokens"))).expanduser()
+def _build_tokens(cfg: dict[str, Any], data_dir: Path) -> tuple[Dataset, Dataset, TextInfo]:
+    block_size, val_windows = cfg["block_size"], cfg["val_windows"]
+    stride = block_size if cfg["stride"] is None else cfg["stride"]  # null: non-overlapping windows
+    folder = Path(str(cfg["folder"])).expanduser()
     folder = folder if folder.is_absolute() else data_dir / folder
     train, val, meta = read_token_folder(folder)
-    vocab = _field(cfg, "vocab_size", None) or meta.get("vocab_size")
+    vocab = cfg["vocab_size"] or meta.get("vocab_size")
     if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 2:
         raise ConfigError(
             f"the vocabulary size of {folder} is unknown (got {vocab!r}): set dataset.vocab_size=<tokens "
@@ -236,17 +217,25 @@ def _build_tokens(cfg: Any, data_dir: Path) -> tuple[Dataset, Dataset, TextInfo]
 # ------------------------------------------------------------------------- the configs' _target_s
 
 
-def _given(fields: dict[str, Any]) -> dict[str, Any]:
-    """The fields a config sets: a null means the builder's own default (``val_windows: null`` excepted, which
-    means every window)."""
-    return {k: v for k, v in fields.items() if v is not None or k == "val_windows"}
+# Every field of the dataset's schema (adaloss.schemas) is passed: its defaults and ranges live there alone.
 
 
-def pystdlib(**fields: Any) -> tuple[Dataset, Dataset, TextInfo]:
+def pystdlib(
+    *, name: str, block_size: int, stride: int | None, val_windows: int | None, holdout_every: int,
+    stdlib: str | None,
+) -> tuple[Dataset, Dataset, TextInfo]:  # fmt: skip
     """``dataset=pystdlib`` (the config's ``_target_``)."""
-    return _build_pystdlib(_given(fields))
+    return _build_pystdlib(
+        {"block_size": block_size, "stride": stride, "val_windows": val_windows,
+         "holdout_every": holdout_every, "stdlib": stdlib}
+    )  # fmt: skip
 
 
-def tokens(data_dir: str | os.PathLike[str] = ".", **fields: Any) -> tuple[Dataset, Dataset, TextInfo]:
+def tokens(
+    data_dir: str | os.PathLike[str], *, name: str, folder: str, vocab_size: int | None, block_size: int,
+    stride: int | None, val_windows: int | None,
+) -> tuple[Dataset, Dataset, TextInfo]:  # fmt: skip
     """``dataset=tokens`` (the config's ``_target_``): ``train.bin``/``val.bin`` under ``data_dir``."""
-    return _build_tokens(_given(fields), Path(data_dir).expanduser().resolve())
+    cfg = {"folder": folder, "vocab_size": vocab_size, "block_size": block_size, "stride": stride,
+           "val_windows": val_windows}  # fmt: skip
+    return _build_tokens(cfg, Path(data_dir).expanduser().resolve())

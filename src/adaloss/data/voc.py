@@ -33,7 +33,7 @@ from adaloss.data.detection import (
 )
 from adaloss.errors import ConfigError
 
-__all__ = ["VOC_CLASSES", "VOCDetectionSet", "build_voc", "parse_voc_objects"]
+__all__ = ["VOC_CLASSES", "VOCDetectionSet", "parse_voc_objects", "voc"]
 
 VOC_CLASSES: tuple[str, ...] = (
     "aeroplane",
@@ -120,11 +120,6 @@ class VOCDetectionSet(Dataset):
         return self.transform(image, target)
 
 
-def _field(cfg: Any, key: str, default: Any) -> Any:
-    value = cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
-    return default if value is None else value
-
-
 def _split(value: Any, key: str) -> tuple[str, str]:
     try:
         year, image_set = value
@@ -159,37 +154,32 @@ def _open_split(data_dir: Path, year: str, image_set: str) -> VOCDetection:
         raise ConfigError(f"could not read PASCAL VOC {year} {image_set} under {data_dir}: {reason}") from exc
 
 
-def build_voc(
-    cfg: Any, data_dir: str | os.PathLike[str]
-) -> tuple[VOCDetectionSet, VOCDetectionSet, DetectionInfo]:
-    """``dataset=voc``. Fields (defaults): ``num_classes`` (20, fixed), ``image_size`` (512: match the
-    model's), ``train_sets`` ([[2007, trainval], [2012, trainval]]), ``test_set`` ([2007, test]),
-    ``augment`` (true: SSD's augmentation), ``use_difficult`` (false: difficult objects are left out of
-    training), ``mean`` / ``std`` (ImageNet's).
+def voc(
+    data_dir: str | os.PathLike[str], *, name: str, num_classes: int, image_size: int | None, train_sets: Any,
+    test_set: Any, augment: bool, use_difficult: bool, mean: Any, std: Any,
+) -> tuple[VOCDetectionSet, VOCDetectionSet, DetectionInfo]:  # fmt: skip
+    """``dataset=voc`` (the config's ``_target_``; every field of its schema, which holds the defaults):
+    ``num_classes`` is fixed at 20, ``image_size`` is the model's (the config interpolates it),
+    ``train_sets`` / ``test_set`` are ``[year, image set]`` pairs, ``augment`` is SSD's augmentation,
+    ``use_difficult`` keeps difficult objects in training, ``mean`` / ``std`` (null: ImageNet's).
 
     Missing data raises ``ConfigError`` naming the path and the remedy. Cost: reading the split lists (the
     images and XMLs are read per sample).
     """
-    num_classes = int(_field(cfg, "num_classes", len(VOC_CLASSES)))
     if num_classes != len(VOC_CLASSES):
         raise ConfigError(
             f"dataset voc has {len(VOC_CLASSES)} classes, but dataset.num_classes={num_classes}"
         )
-    image_size = _field(cfg, "image_size", 512)
-    if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < 32:
-        raise ConfigError(f"dataset.image_size must be an integer >= 32, got {image_size!r}")
-    mean = [float(v) for v in _field(cfg, "mean", IMAGENET_MEAN)]
-    std = [float(v) for v in _field(cfg, "std", IMAGENET_STD)]
-    if len(mean) != 3 or len(std) != 3 or any(v <= 0 for v in std):
-        raise ConfigError(f"dataset.mean / dataset.std need 3 values (std positive), got {mean} / {std}")
-    train_sets = [
-        _split(s, "train_sets") for s in _field(cfg, "train_sets", [[2007, "trainval"], [2012, "trainval"]])
-    ]
+    if image_size is None:
+        raise ConfigError("dataset.image_size is null: set it to the detector's, e.g. dataset.image_size=512")
+    mean = [float(v) for v in (IMAGENET_MEAN if mean is None else mean)]
+    std = [float(v) for v in (IMAGENET_STD if std is None else std)]
+    if len(mean) != 3 or len(std) != 3:
+        raise ConfigError(f"dataset.mean / dataset.std need 3 values, got {mean} / {std}")
+    train_sets = [_split(s, "train_sets") for s in train_sets]
     if not train_sets:
         raise ConfigError("dataset.train_sets is empty: list at least one [year, image_set] pair")
-    test_year, test_image_set = _split(_field(cfg, "test_set", [2007, "test"]), "test_set")
-    augment = bool(_field(cfg, "augment", True))
-    use_difficult = bool(_field(cfg, "use_difficult", False))
+    test_year, test_image_set = _split(test_set, "test_set")
 
     data_dir = Path(data_dir).expanduser().resolve()
     train_transform = (ssd_train_transform if augment else ssd_eval_transform)(image_size, mean, std)
@@ -201,8 +191,3 @@ def build_voc(
     )
     info = DetectionInfo("voc", num_classes, image_size, 3, len(train), len(test), class_names=VOC_CLASSES)
     return train, test, info
-
-
-def voc(data_dir: str | os.PathLike[str] = ".", **fields: Any):  # noqa: ANN201 - build_voc's triple
-    """``dataset=voc`` (the config's ``_target_``): :func:`build_voc` of the fields, under ``data_dir``."""
-    return build_voc({k: v for k, v in fields.items() if v is not None}, data_dir)

@@ -380,7 +380,7 @@ def build_task(cfg: Any, info: DatasetInfo, device: torch.device) -> Task:
     model = build_model(
         cfg.model,
         info.num_classes,
-        input_shape=info.input_shape,
+        input_shape=info.input_shape if all(info.input_shape) else None,  # text has no image shape
         vocab_size=getattr(info, "vocab_size", None),
         block_size=getattr(info, "block_size", None),
     ).to(device)
