@@ -1,103 +1,28 @@
-"""Helpers shared by ``scripts/bench.py`` and ``scripts/underflow_table.py``.
+"""Helpers shared by the scripts: ``src/`` on ``sys.path``, and :mod:`adaloss.reports.measurement`'s helpers
+under their old names (the models by name, the machine header, quantiles, JSON output).
 
-Kept free of anything expensive at import time (no model building, no data loading), so the tests can import
-the scripts as modules cheaply. The scripts put ``src/`` on ``sys.path`` themselves, so they also run from a
-checkout without ``pip install -e .``.
+The scripts put ``src/`` on ``sys.path`` through this module, so they also run from a checkout without
+``pip install -e .``.
 """
 
 from __future__ import annotations
 
-import datetime as _dt
-import json
-import math
-import os
-import platform
 import sys
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "src") not in sys.path:
     sys.path.insert(0, str(ROOT / "src"))
 
-from adaloss.provenance import cpu_name as cpu_model  # noqa: E402  (the CPU's marketing name)
-from adaloss.reports.common import markdown_table  # noqa: E402, F401  (the scripts' tables)
-
-#: The ``model`` config groups the scripts know by name (same fields as ``configs/model/*.yaml``).
-MODEL_CFGS: dict[str, dict[str, Any]] = {
-    "resnet20": {"name": "resnet20", "depth": 20},
-    "resnet56": {"name": "resnet56", "depth": 56},
-    "resnet110": {"name": "resnet110", "depth": 110},
-    "vgg_nobn": {"name": "vgg_nobn", "widths": [64, "M", 128, "M", 256, 256, "M", 512, "M"]},
-}
-
-#: How the tables spell the models.
-PRETTY = {
-    "resnet20": "ResNet-20",
-    "resnet56": "ResNet-56",
-    "resnet110": "ResNet-110",
-    "vgg_nobn": "VGG (no BN)",
-    "gpt": "GPT (tiny)",
-}
-
-
-def model_cfg(name: str):
-    """The OmegaConf ``model`` group for ``name``; raises ``SystemExit`` with the known names otherwise."""
-    from omegaconf import OmegaConf
-
-    if name not in MODEL_CFGS:
-        raise SystemExit(f"error: unknown model '{name}': choose from {', '.join(MODEL_CFGS)}")
-    return OmegaConf.create(MODEL_CFGS[name])
-
-
-def machine_info() -> dict[str, Any]:
-    """What the header line names: CPU, cores, torch version and threads, load average, date (UTC)."""
-    import torch
-
-    try:
-        load = [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        load = None
-    return {
-        "cpu": cpu_model(),
-        "cores": os.cpu_count(),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "python": platform.python_version(),
-        "load_avg_at_start": load,
-        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-    }
-
-
-def header_line(info: dict[str, Any]) -> str:
-    load = info.get("load_avg_at_start")
-    load_txt = f", load avg at start {'/'.join(f'{x:.2f}' for x in load)}" if load else ""
-    return (
-        f"Machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']}, {info['threads']} threads"
-        f"{load_txt}; {info['date']}"
-    )
-
-
-def quantile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated quantile (numpy's default method); NaN for an empty list."""
-    xs = sorted(v for v in values if not math.isnan(v))
-    if not xs:
-        return float("nan")
-    pos = (len(xs) - 1) * q
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-def median(values: Sequence[float]) -> float:
-    return quantile(values, 0.5)
-
-
-def write_json(path: str | os.PathLike[str], payload: Any) -> Path:
-    """Write ``payload`` as indented JSON, creating the folder; returns the path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(payload, f, indent=1, allow_nan=True)
-        f.write("\n")
-    return path
+from adaloss.reports.measurement import (  # noqa: E402, F401  (the scripts' names for them)
+    MODEL_CFGS,
+    PRETTY,
+    cpu_model,
+    header_line,
+    machine_info,
+    markdown_table,
+    median,
+    model_cfg,
+    quantile,
+    write_json,
+)

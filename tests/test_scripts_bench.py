@@ -1,4 +1,5 @@
-"""Smoke tests of ``scripts/bench.py`` and ``scripts/underflow_table.py``, imported as modules, tiny settings.
+"""Smoke tests of the bench (:mod:`adaloss.bench`, ``scripts/bench.py``) and ``scripts/underflow_table.py``,
+imported as modules, tiny settings.
 
 The scripts' numbers are only meaningful from the full runs; these tests check the plumbing: every ratio key
 is produced as a positive finite number, the amortization formulas are the documented ones, and the underflow
@@ -10,11 +11,14 @@ from __future__ import annotations
 import csv
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import load_script
+from adaloss.bench import cli, opcounts, specs, stats, timing
+from conftest import ROOT, load_script
 
 #: The ratios bench.py must report for every model, spelled out here so a renamed key fails the test.
 BENCH_RATIOS = (
@@ -45,6 +49,7 @@ TARGETS = {  # issue 22's speed goals, and the earlier ones it kept
 
 @pytest.fixture(scope="module")
 def bench():
+    """``scripts/bench.py``, the entry point itself."""
     return load_script("bench")
 
 
@@ -68,13 +73,14 @@ def one_thread():
 
 
 def test_bench_quick_writes_every_ratio(bench, tmp_path: Path, capsys, one_thread) -> None:
+    """The entry point (``scripts/bench.py``'s ``main``), tiny settings: every ratio, verdicts as printed."""
     out = tmp_path / "bench.json"
     argv = ["--quick", "--models", "resnet20", "--rounds", "1", "--batch", "4", "--clock", "cpu"]
     bench.main([*argv, "--out", str(out)])
     payload = json.loads(out.read_text())
-    assert payload["settings"]["clock"] == "cpu" and bench._CLOCK is bench.CLOCKS["wall"]  # restored
+    assert payload["settings"]["clock"] == "cpu" and timing._CLOCK is specs.CLOCKS["wall"]  # restored
     assert payload["op_counts"] is None and payload["gpt"] is None  # --quick leaves both out
-    assert set(bench.RATIO_KEYS) == set(BENCH_RATIOS)
+    assert set(specs.RATIO_KEYS) == set(BENCH_RATIOS)
     for key in BENCH_RATIOS:
         entry = payload["ratios"][f"{key}/resnet20"]
         assert math.isfinite(entry["median"]) and entry["median"] > 0, (key, entry)
@@ -103,14 +109,14 @@ def test_bench_quick_writes_every_ratio(bench, tmp_path: Path, capsys, one_threa
         assert row[5] == ("PASS" if entry["median"] <= target else "over target"), row
 
 
-def test_bench_paired_configs_report_only_their_ratios(bench, tmp_path: Path, capsys, one_thread) -> None:
+def test_bench_paired_configs_report_only_their_ratios(tmp_path: Path, capsys, one_thread) -> None:
     """--configs measures a subset (a paired adaptive-versus-dynamic run); ratios needing an unmeasured
     configuration are left out rather than reported as n/a. With --opcounts on (the default of a full
     run), the op-count table follows the timing and goes into the same JSON."""
     out = tmp_path / "bench.json"
     argv = ["--quick", "--rounds", "1", "--batch", "4", "--configs", "fp16_dynamic,fp16_adaptive_u100"]
     opcounts = ["--opcounts", "on", "--opcount-models", "resnet20", "--opcount-batch", "1"]
-    bench.main([*argv, *opcounts, "--out", str(out)])
+    cli.main([*argv, *opcounts, "--out", str(out)])
     payload = json.loads(out.read_text())
     assert set(payload["op_counts"]["models"]) == {"resnet20"}
     assert "Dispatched ATen ops per training step" in payload["table_markdown"]
@@ -142,7 +148,7 @@ GPT_RATIOS = (
 
 
 @pytest.mark.parametrize("mode", ["only", "on"])
-def test_bench_times_the_tiny_gpt(bench, tmp_path: Path, capsys, one_thread, mode: str) -> None:
+def test_bench_times_the_tiny_gpt(tmp_path: Path, capsys, one_thread, mode: str) -> None:
     """--gpt only times the tiny GPT alone; --gpt on after the ResNets (here a paired ResNet-20 run), its
     table appended. Its goal row has the issue's target, 1.05x, and the verdict its median gives; the
     adaptive steps come in both kinds, with and without attention's betas."""
@@ -150,7 +156,7 @@ def test_bench_times_the_tiny_gpt(bench, tmp_path: Path, capsys, one_thread, mod
     argv = ["--quick", "--rounds", "1", "--batch", "2", "--gpt", mode, "--out", str(out)]
     if mode == "on":
         argv += ["--configs", "fp16_dynamic,fp16_adaptive_u100"]
-    bench.main(argv)
+    cli.main(argv)
     payload = json.loads(out.read_text())
     gpt = payload["gpt"] if mode == "on" else payload
     assert set(gpt["ratios"]) == {f"{key}/gpt" for key in GPT_RATIOS}
@@ -178,18 +184,30 @@ def test_bench_times_the_tiny_gpt(bench, tmp_path: Path, capsys, one_thread, mod
         )
 
 
-def test_bench_gpt_and_opcounts_only_exclude_each_other(bench, capsys) -> None:
+def test_bench_script_help_and_bad_input() -> None:
+    """``python scripts/bench.py``: --help describes it; a bad value is one ``error:`` line, status 2."""
+    script = [sys.executable, str(ROOT / "scripts" / "bench.py")]
+    proc = subprocess.run([*script, "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "Step-time ratios of the training configurations" in proc.stdout and "--opcounts" in proc.stdout
+    proc = subprocess.run([*script, "--models", "resnet21"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert errors == ["bench.py: error: unknown model 'resnet21': choose from resnet20, resnet56, resnet110"]
+
+
+def test_bench_gpt_and_opcounts_only_exclude_each_other(capsys) -> None:
     with pytest.raises(SystemExit):
-        bench.parse_args(["--gpt", "only", "--opcounts", "only"])
+        cli.parse_args(["--gpt", "only", "--opcounts", "only"])
     assert "--gpt only and --opcounts only exclude each other" in capsys.readouterr().err
 
 
-def test_bench_replicas_time_every_copy(bench, tmp_path: Path, capsys, one_thread) -> None:
+def test_bench_replicas_time_every_copy(tmp_path: Path, capsys, one_thread) -> None:
     """--replicas 2 builds two copies of each configuration; each copy times its steps, the ratios pool
     them, and the copies' A/A spread is reported."""
     out = tmp_path / "bench.json"
     argv = ["--quick", "--rounds", "2", "--batch", "4", "--configs", "fp16_dynamic,fp16_adaptive_u100"]
-    bench.main([*argv, "--replicas", "2", "--out", str(out)])
+    cli.main([*argv, "--replicas", "2", "--out", str(out)])
     payload = json.loads(out.read_text())
     assert payload["settings"]["replicas"] == 2
     model = payload["models"]["resnet20"]
@@ -207,7 +225,7 @@ def test_bench_replicas_time_every_copy(bench, tmp_path: Path, capsys, one_threa
     assert "A/A between copies (2 per configuration" in capsys.readouterr().out
 
 
-def test_bench_shuffled_order_and_replica_ratios(bench) -> None:
+def test_bench_shuffled_order_and_replica_ratios() -> None:
     import random
 
     rng = random.Random(0)
@@ -215,13 +233,13 @@ def test_bench_shuffled_order_and_replica_ratios(bench) -> None:
     prev = None
     seen_first = set()
     for _ in range(200):
-        order = bench.shuffled_order(runners, rng, prev)
+        order = timing.shuffled_order(runners, rng, prev)
         assert sorted(order) == runners and order[0] != prev
         seen_first.add(order[0])
         prev = order[-1]
     assert seen_first == set(runners)  # no fixed order
-    assert bench.shuffled_order(["a", "b"], rng, "a") == ["b", "a"]
-    assert bench.shuffled_order(["a"], rng, "a") == ["a"]  # nothing to choose from
+    assert timing.shuffled_order(["a", "b"], rng, "a") == ["b", "a"]
+    assert timing.shuffled_order(["a"], rng, "a") == ["a"]  # nothing to choose from
     # Copy 1 is 2% slower than copy 0 in both rounds; recompute steps are left out.
     raw = [
         [
@@ -230,7 +248,7 @@ def test_bench_shuffled_order_and_replica_ratios(bench) -> None:
             {"config": "x", "replica": 1, "kind": "recompute", "s": 9.0},
         ]
     ] * 2
-    spread = bench.replica_ratios(bench.ModelResult("resnet20", raw=raw))
+    spread = stats.replica_ratios(timing.ModelResult("resnet20", raw=raw))
     assert spread["x"][0]["replica"] == 1 and spread["x"][0]["median"] == pytest.approx(1.02)
 
 
@@ -241,14 +259,14 @@ def test_bench_shuffled_order_and_replica_ratios(bench) -> None:
         ("fp16_fixed", "no ratio can be formed"),
     ],
 )
-def test_bench_rejects_bad_configs(bench, capsys, configs: str, message: str) -> None:
+def test_bench_rejects_bad_configs(capsys, configs: str, message: str) -> None:
     with pytest.raises(SystemExit) as exc:
-        bench.parse_args(["--configs", configs])
+        cli.parse_args(["--configs", configs])
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
 
 
-def test_bench_amortized_formulas(bench) -> None:
+def test_bench_amortized_formulas() -> None:
     """Per-round ratios from made-up step times follow the documented formulas."""
     rd = {
         "fp32_none": {"plain": [1.0, 1.0]},
@@ -259,26 +277,26 @@ def test_bench_amortized_formulas(bench) -> None:
         "fp16_adaptive_u1": {"recompute": [1.5]},
         "fp16_adaptive_u100": {"recompute": [1.5], "reuse": [1.2]},
     }
-    res = bench.ModelResult("resnet20", rounds=[rd])
-    per = bench.per_round_ratios(res)
+    res = timing.ModelResult("resnet20", rounds=[rd])
+    per = stats.per_round_ratios(res)
     assert per["fp16_over_fp32"][0] == pytest.approx(1.2)
     assert per["fixed_over_none"][0] == pytest.approx(1.05)
     assert per["telemetry100_over_none"][0] == pytest.approx((3.6 + 99 * 1.2) / (100 * 1.2))  # 1.02
     assert per["adaptive_u1_over_dynamic"][0] == pytest.approx(1.25)
     assert per["adaptive_u100_over_dynamic"][0] == pytest.approx((1.5 + 99 * 1.2) / (100 * 1.2))  # 1.0025
     assert per["aa_control"][0] == pytest.approx(1.0)
-    ratios = bench.summarize([res])
+    ratios = stats.summarize([res])
     assert ratios["fixed_over_none/resnet20"]["pass"] is False
     assert ratios["telemetry100_over_none/resnet20"]["pass"] is False
     assert ratios["adaptive_u100_over_dynamic/resnet20"]["pass"] is True
 
 
-def test_op_counter_counts_each_dispatched_op_once_and_names_its_origin(bench) -> None:
+def test_op_counter_counts_each_dispatched_op_once_and_names_its_origin() -> None:
     import torch
 
     from adaloss.scalers.base import to_float32
 
-    with bench.OpCounter() as counter:
+    with opcounts.OpCounter() as counter:
         a = torch.ones(3)
         b = torch.nn.functional.linear(a.view(1, 3), torch.ones(2, 3))  # composite: t + addmm/mm underneath
         to_float32(1.5)  # a torch.tensor() inside adaloss
@@ -294,17 +312,17 @@ def test_op_counter_counts_each_dispatched_op_once_and_names_its_origin(bench) -
     )
 
 
-def test_bench_op_counts_tiny(bench, tmp_path: Path, capsys, one_thread) -> None:
+def test_bench_op_counts_tiny(tmp_path: Path, capsys, one_thread) -> None:
     """--opcounts only on ResNet-20 at batch 1: every step kind counted, positive, consistent, batch-free."""
     out = tmp_path / "opcounts.json"
-    payload = bench.main(
+    payload = cli.main(
         ["--opcounts", "only", "--opcount-models", "resnet20", "--opcount-batch", "1", "--out", str(out)]
     )
     assert json.loads(out.read_text())["op_counts"] == payload["op_counts"]
     op = payload["op_counts"]
     res = op["models"]["resnet20"]
     assert res["points"] == {"gemm": 20, "branch": 9}  # 19 convolutions + fc; 9 residual additions
-    kinds = [k.key for k in bench.OP_KINDS]
+    kinds = [k.key for k in opcounts.OP_KINDS]
     assert kinds == ["dynamic", "adaptive_reuse", "adaptive_reuse_low", "adaptive_recompute"]
     counts = res["counts"]
     for kind in kinds:
@@ -323,9 +341,9 @@ def test_bench_op_counts_tiny(bench, tmp_path: Path, capsys, one_thread) -> None
     # Recompute work is found where it runs: once per GEMM point, once per branch point.
     sites = counts["adaptive_recompute"]["by_site"]
     assert sites["adaptive/ops.py:ScaledGEMM.backward"] > 20 and sites["adaptive/ops.py:Rescale.backward"] > 9
-    assert bench._per_point("adaptive/rules.py:floor_pow2:203 (in Rescale.backward)") == "branch"
-    assert bench._per_point("adaptive/ops.py:ScaledGEMM.backward") == "gemm"
-    assert bench._per_point(bench._NO_FRAME) is None
+    assert opcounts.per_point("adaptive/rules.py:floor_pow2:203 (in Rescale.backward)") == "branch"
+    assert opcounts.per_point("adaptive/ops.py:ScaledGEMM.backward") == "gemm"
+    assert opcounts.per_point(opcounts._NO_FRAME) is None
     check = op["batch_check"]
     assert check["batches"] == [1, 2] and check["equal"] is True
     printed = capsys.readouterr().out
@@ -333,8 +351,8 @@ def test_bench_op_counts_tiny(bench, tmp_path: Path, capsys, one_thread) -> None
     assert "adaptive recompute: +" in printed and "by origin" in printed
 
 
-def test_bench_batch_check_allows_only_the_multiplies_of_betas_that_differ(bench) -> None:
-    same = bench._same_ops_but_betas
+def test_bench_batch_check_allows_only_the_multiplies_of_betas_that_differ() -> None:
+    same = opcounts._same_ops_but_betas
     a = {"by_op": {"mul": 3, "add": 2}, "betas_not_1": 1}
     assert same(a, {"by_op": {"mul": 3, "add": 2}, "betas_not_1": 1})
     assert same(a, {"by_op": {"mul": 2, "add": 2}, "betas_not_1": 0})  # one beta fewer, one mul fewer
@@ -345,18 +363,18 @@ def test_bench_batch_check_allows_only_the_multiplies_of_betas_that_differ(bench
     assert not same({"by_op": {"add": 2}}, {"by_op": {"add": 3}})  # no betas at all (dynamic)
 
 
-def test_bench_op_count_switch(bench) -> None:
-    assert bench.parse_args([]).opcounts == "on"
-    assert bench.parse_args(["--quick"]).opcounts == "off"
-    only = bench.parse_args(["--opcounts", "only"])
+def test_bench_op_count_switch() -> None:
+    assert cli.parse_args([]).opcounts == "on"
+    assert cli.parse_args(["--quick"]).opcounts == "off"
+    only = cli.parse_args(["--opcounts", "only"])
     assert only.opcounts == "only" and only.out.endswith("opcounts.json")
-    assert bench.parse_args([]).out.endswith("bench.json")
-    assert bench.parse_args(["--opcount-models", "resnet20,resnet56"]).opcount_models == [
+    assert cli.parse_args([]).out.endswith("bench.json")
+    assert cli.parse_args(["--opcount-models", "resnet20,resnet56"]).opcount_models == [
         "resnet20",
         "resnet56",
     ]
     with pytest.raises(SystemExit):
-        bench.parse_args(["--opcount-models", "resnet21"])
+        cli.parse_args(["--opcount-models", "resnet21"])
 
 
 def test_common_helpers() -> None:
