@@ -16,7 +16,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from adaloss.labs.attention_betas.cli import main  # noqa: E402
+from adaloss.labs.attention_betas import cli  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    """:func:`adaloss.labs.attention_betas.cli.main`, its default paths in this checkout."""
+    return cli.main(argv, root=ROOT)
+
 
 if __name__ == "__main__":
     main()

@@ -13,10 +13,17 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
 
 import _common  # noqa: E402, F401  (puts src/ on sys.path)
-from adaloss.docgen.cli import main  # noqa: E402
+from adaloss.docgen import cli  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    """:func:`adaloss.docgen.cli.main`, its default paths in this checkout."""
+    return cli.main(argv, root=ROOT)
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -19,7 +19,13 @@ os.environ.setdefault("ADALOSS_ROOT", str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import _common  # noqa: E402, F401  (puts src/ on sys.path)
-from adaloss.labs.root_scale.cli import main  # noqa: E402
+from adaloss.labs.root_scale import cli  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> None:
+    """:func:`adaloss.labs.root_scale.cli.main`, its default paths in this checkout."""
+    return cli.main(argv, root=ROOT)
+
 
 if __name__ == "__main__":
     main()

@@ -474,6 +474,32 @@ def test_the_entry_point_prints_a_row_and_writes_a_csv_per_setting(tmp_path, cap
             )
 
 
+def test_the_entry_point_writes_into_the_checkout_it_is_in(tmp_path):
+    """``scripts/attention_betas.py`` copied into another checkout, ``src/`` linked (as the docs' blocks run
+    it): its default ``--out`` is that checkout's ``results/attention_betas``, not the package's."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    shutil.copytree(ROOT / "scripts", tmp_path / "scripts")
+    (tmp_path / "src").symlink_to(ROOT / "src", target_is_directory=True)
+    before = sorted((ROOT / "results" / "attention_betas").iterdir())
+    stamps = [p.stat().st_mtime_ns for p in before]
+    run = subprocess.run(
+        [sys.executable, str(tmp_path / "scripts" / "attention_betas.py"), "--steps", "0"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert run.returncode == 0, run.stderr
+    assert len(list((tmp_path / "results" / "attention_betas").glob("*.csv"))) == 8
+    assert [p.stat().st_mtime_ns for p in before] == stamps  # the committed CSVs untouched
+
+
 def test_product_betas_combine_the_statistics_of_all_ranks():
     """Under DDP a product's operands and gradients differ between ranks, so :func:`product_beta` combines
     each tensor's second moment and max over the ranks (the same ``reduce_fn`` as the GEMM points'): each

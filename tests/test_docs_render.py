@@ -41,6 +41,25 @@ def _copy(tmp_path: Path) -> Path:
     return root
 
 
+def test_the_entry_point_renders_the_checkout_it_is_in(tmp_path: Path) -> None:
+    """``scripts/render_docs.py`` copied into another checkout, ``src/`` linked (as the docs' blocks run it):
+    it checks and writes that checkout's pages, not the package's."""
+    import subprocess
+    import sys
+
+    root = _copy(tmp_path)
+    shutil.copytree(ROOT / "scripts", root / "scripts")
+    (root / "src").symlink_to(ROOT / "src", target_is_directory=True)
+    page = root / "docs" / "precision.md"
+    page.write_text(page.read_text(encoding="utf-8").replace("| ResNet-110  |", "| ResNet-111  |", 1))
+    command = [sys.executable, str(root / "scripts" / "render_docs.py")]
+    check = subprocess.run([*command, "--check"], cwd=root, capture_output=True, text=True)
+    assert (check.returncode, check.stdout) == (1, "out of date: docs/precision.md\n"), check
+    write = subprocess.run(command, cwd=root, capture_output=True, text=True)
+    assert (write.returncode, write.stdout) == (0, "wrote docs/precision.md\n"), write
+    assert pages.differences(root) == []
+
+
 def test_a_changed_result_makes_its_page_stale_and_the_render_fixes_it(tmp_path: Path) -> None:
     root = _copy(tmp_path)
     assert pages.differences(root) == []

@@ -16,7 +16,9 @@ from adaloss.reports.measurement import ROOT
 DESCRIPTION = "Render the documentation's tables and figures from the committed result files."
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, root: Path = ROOT) -> int:
+    """``stamp`` a bench JSON, or ``--check`` / rewrite the pages and figures of the checkout ``root`` (the
+    script's own)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["stamp"]:
         p = argparse.ArgumentParser(
@@ -26,7 +28,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.add_argument("--command", required=True, help="the command that wrote it, e.g. 'make bench'")
         p.add_argument("--commit", default=None, help="the commit it measured (default: HEAD)")
         args = p.parse_args(argv[1:])
-        record = stamp(args.json, args.command, args.commit)
+        record = stamp(args.json, args.command, args.commit, root=root)
         print(f"stamped {args.json}: {record}")
         return 0
     p = argparse.ArgumentParser(description=DESCRIPTION)
@@ -35,12 +37,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     if args.check:
-        stale = differences()
+        stale = differences(root)
         for path in stale:
-            print(f"out of date: {path.relative_to(ROOT)}")
+            print(f"out of date: {path.relative_to(root)}")
         if stale:
             print("run: python scripts/render_docs.py", file=sys.stderr)
         return 1 if stale else 0
-    for path in write():
-        print(f"wrote {path.relative_to(ROOT)}")
+    for path in write(root):
+        print(f"wrote {path.relative_to(root)}")
     return 0

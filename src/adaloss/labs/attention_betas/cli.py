@@ -37,11 +37,12 @@ def train(steps: int) -> tuple[dict[str, dict], torch.Tensor, torch.Tensor]:
     return regimes, data, loss
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    """Parse ``argv``, train, measure every setting; print the table, write the CSVs; returns the rows."""
+def main(argv: list[str] | None = None, root: Path = ROOT) -> list[dict]:
+    """Parse ``argv``, train, measure every setting; print the table, write the CSVs; returns the rows.
+    ``root``: the checkout whose ``results/`` the default ``--out`` is in (the script's own)."""
     parser = argparse.ArgumentParser(description=DESCRIPTION)
     parser.add_argument("--steps", type=int, default=300, help="FP32 training steps for the trained regime")
-    parser.add_argument("--out", default=str(ROOT / "results" / "attention_betas"), help="CSV directory")
+    parser.add_argument("--out", default=str(root / "results" / "attention_betas"), help="CSV directory")
     args = parser.parse_args(argv)
     regimes, data, loss = train(args.steps)
     batch = sample_batch(data, torch.Generator().manual_seed(7))

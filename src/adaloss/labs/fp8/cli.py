@@ -17,13 +17,14 @@ DESCRIPTION = (
 )
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Parse ``argv``, run what is missing (unless ``--report-only``), write and print the report."""
+def main(argv: list[str] | None = None, root: Path = ROOT) -> None:
+    """Parse ``argv``, run what is missing (unless ``--report-only``), write and print the report. ``root``:
+    the checkout the default ``--out`` and ``--runs-dir`` are in (the script's own)."""
     parser = argparse.ArgumentParser(description=DESCRIPTION)
     parser.add_argument("--models", default=",".join(MODELS), help=f"of {', '.join(MODELS)}")
     parser.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated (default 0-4; --smoke: 0,1)")
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "fp8")
-    parser.add_argument("--runs-dir", type=Path, default=ROOT / "outputs" / "fp8_lab", help="run folders")
+    parser.add_argument("--out", type=Path, default=root / "results" / "fp8")
+    parser.add_argument("--runs-dir", type=Path, default=root / "outputs" / "fp8_lab", help="run folders")
     parser.add_argument("--smoke", action="store_true", help="tiny runs of a few cells (a test)")
     parser.add_argument("--report-only", action="store_true", help="no runs: the report of the finished ones")
     parser.add_argument("--docs", type=Path, default=None, help="also fill this page's fp8-lab region")

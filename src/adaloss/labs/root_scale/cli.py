@@ -19,11 +19,13 @@ DESCRIPTION = (
 )
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, root: Path = ROOT) -> None:
+    """Parse ``argv``; run and benchmark every task (or read ``--from-json``), write and print the tables.
+    ``root``: the checkout the default ``--out`` is in (the script's own)."""
     parser = argparse.ArgumentParser(description=DESCRIPTION)
     parser.add_argument("--seeds", default="0,1,2,3,4")
     parser.add_argument("--tasks", default=",".join(TASKS), help=f"of {', '.join(TASKS)}")
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "root")
+    parser.add_argument("--out", type=Path, default=root / "results" / "root")
     parser.add_argument("--bench-steps", type=int, default=3)
     parser.add_argument("--bench-rounds", type=int, default=5)
     parser.add_argument("--from-json", action="store_true", help="only rebuild the tables from the json")

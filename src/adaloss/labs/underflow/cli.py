@@ -34,7 +34,8 @@ DESCRIPTION = (
 )
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None, root: Path = ROOT) -> argparse.Namespace:
+    """The options; ``root``: the checkout the default ``--data-dir`` and ``--out-dir`` are in."""
     p = argparse.ArgumentParser(description=DESCRIPTION)
     p.add_argument("--models", nargs="+", default=None, help="resnet110 vgg_nobn (space or comma separated)")
     p.add_argument("--batch", type=int, default=None, help="batch size (default 32; --quick: 8)")
@@ -46,7 +47,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--lr", type=float, default=None, help="FP32 training lr (default: 0.01 for both models)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--data-dir", default=str(ROOT / "data"))
+    p.add_argument("--data-dir", default=str(root / "data"))
     p.add_argument(
         "--threads",
         type=int,
@@ -55,7 +56,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "faster than 2 threads when other jobs share the 2 cores)",
     )
     p.add_argument("--quick", action="store_true", help="smoke run: vgg_nobn, batch 8, 2 training steps")
-    p.add_argument("--out-dir", default=str(ROOT / "results" / "underflow"))
+    p.add_argument("--out-dir", default=str(root / "results" / "underflow"))
     args = p.parse_args(argv)
     args.argv = list(argv) if argv is not None else sys.argv[1:]
     models = args.models or (["vgg_nobn"] if args.quick else list(DEFAULT_MODELS))
@@ -72,9 +73,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+def main(argv: Sequence[str] | None = None, root: Path = ROOT) -> dict[str, Any]:
     """Measure, print the summary table, write CSVs and JSON under ``--out-dir``; returns the JSON payload."""
-    args = parse_args(argv)
+    args = parse_args(argv, root)
     if args.threads < 0:
         raise SystemExit(f"error: --threads must be >= 0, got {args.threads}")
     threads_before = torch.get_num_threads()

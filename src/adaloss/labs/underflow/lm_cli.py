@@ -24,14 +24,15 @@ DESCRIPTION = (
 )
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Parse ``argv``, measure, write and print the table; returns the JSON payload."""
+def main(argv: list[str] | None = None, root: Path = ROOT) -> dict[str, Any]:
+    """Parse ``argv``, measure, write and print the table; returns the JSON payload. ``root``: the checkout
+    the default ``--out`` is in (the script's own)."""
     parser = argparse.ArgumentParser(description=DESCRIPTION)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=400, help="FP32 training steps (400: the whole recipe)")
     parser.add_argument("--fixed-scale", type=float, default=1024.0)
     parser.add_argument("--batch", type=int, default=None, help="measured batch (default: the recipe's)")
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "lm" / "underflow")
+    parser.add_argument("--out", type=Path, default=root / "results" / "lm" / "underflow")
     parser.add_argument("overrides", nargs="*", help="more overrides, e.g. model.n_layer=2")
     args = parser.parse_args(argv)
     if args.steps < 1 or not args.fixed_scale > 0 or (args.batch is not None and args.batch < 1):
