@@ -30,32 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("ADALOSS_ROOT", str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from hydra import compose, initialize_config_dir  # noqa: E402
-from omegaconf import open_dict  # noqa: E402
-
 from _common import header_line, machine_info  # noqa: E402
-
-#: What each variant adds to ``model=gpt dataset=pystdlib``.
-VARIANTS = {
-    "fp32": ["precision=fp32", "scaler=none"],
-    "none": ["precision=fp16", "scaler=none"],
-    # 1024: the adaptive recipe's accum_upper_bound on this task (the largest scale it may give a layer),
-    # the same fixed scale as scripts/lm_underflow.py's table
-    "fixed": ["precision=fp16", "scaler=fixed", "scaler.scale=1024"],
-    "dynamic": ["precision=fp16", "scaler=dynamic"],
-    "adaptive": ["precision=fp16", "scaler=adaptive"],
-}
-
-
-def compose_run(variant: str, seed: int, overrides: list[str], out: Path):  # noqa: ANN201 - a DictConfig
-    common = ["model=gpt", "dataset=pystdlib", "device=cpu", "logger=none", "trainer.progress_bar=false"]
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        cfg = compose(
-            config_name="train", overrides=[*common, *VARIANTS[variant], f"seed={seed}", *overrides]
-        )
-    with open_dict(cfg):
-        cfg.paths.output_dir = str(out / f"{variant}_seed{seed}")
-    return cfg
+from adaloss.labs.lm_runs import VARIANTS, compose_run  # noqa: E402
 
 
 def initial_val_loss(cfg) -> float:  # noqa: ANN001 - a DictConfig

@@ -3,7 +3,7 @@ get a beta of their own, telemetry names attention's products, no host sync, cle
 
 Models: a small torchvision ViT and Swin, ``nn.TransformerEncoder`` (batch first and not, with padding and
 causal masks), ``nn.Transformer`` (encoder-decoder: cross-attention), ``nn.MultiheadAttention`` calls of
-every supported kind, and a GPT-style decoder (``scripts/attention_betas.py``'s ``TinyGPT``: causal
+every supported kind, and a GPT-style decoder (:mod:`adaloss.labs.attention_betas`' ``TinyGPT``: causal
 ``F.scaled_dot_product_attention``, a fused QKV ``nn.Linear``, the token embedding tied to the output
 projection by ``F.linear``), also with nanoGPT's tying (an ``nn.Linear`` head sharing the embedding's
 weight).
@@ -24,15 +24,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from adaloss.adaptive import AdaptiveTransformError
 from adaloss.adaptive import ops as adaptive_ops
 from adaloss.adaptive.ops import AttentionOperands
+from adaloss.labs.attention_betas.measure import underflow
+from adaloss.labs.attention_betas.model import SIZES, TinyGPT, corpus, sample_batch
 from adaloss.precision import Precision
 from adaloss.scalers import build_scaler
 from adaloss.scalers.adaptive import AdaptiveLossScaler
 from adaloss.telemetry import UnderflowMonitor
 from conftest import load_script
-
-attention_betas = load_script("attention_betas")
-TinyGPT = attention_betas.TinyGPT
-
 
 # ----------------------------------------------------------------------------------------------- models
 
@@ -439,16 +437,67 @@ def test_product_betas_lower_attention_and_qkv_underflow():
     and attention's products lose less (measured: QKV 0.53% -> 0.21%, 8 of 12 layers better) and no
     layer loses more."""
     torch.manual_seed(0)
-    weights = attention_betas.TinyGPT(**attention_betas.SIZES).state_dict()
-    data = attention_betas._corpus()
-    batch = attention_betas._batch(data, torch.Generator().manual_seed(7))
-    off, on = (attention_betas.underflow(weights, "fp8_e5m2", "reference", b, batch) for b in (False, True))
+    weights = TinyGPT(**SIZES).state_dict()
+    data = corpus()
+    batch = sample_batch(data, torch.Generator().manual_seed(7))
+    off, on = (underflow(weights, "fp8_e5m2", "reference", b, batch) for b in (False, True))
     assert off.keys() == on.keys()
     qkv = [k for k in off if k.endswith("c_attn")]
     assert sum(off[k] for k in qkv) > 0.003 * len(qkv)  # the baseline loses gradients: the test discriminates
     assert sum(on[k] for k in qkv) < 0.6 * sum(off[k] for k in qkv)
     assert all(on[k] <= off[k] for k in off), {k: (off[k], on[k]) for k in off}
     assert sum(on[k] < off[k] for k in off) >= 6
+
+
+def test_the_entry_point_prints_a_row_and_writes_a_csv_per_setting(tmp_path, capsys):
+    """``scripts/attention_betas.py`` itself, one FP32 step: a row per regime, gradient format and rule,
+    printed and returned, and each setting's per-layer CSV (docs/transform.md's table is made of them)."""
+    import csv
+
+    rows = load_script("attention_betas").main(["--steps", "1", "--out", str(tmp_path)])
+    settings = [(r["regime"], r["gradients"], r["rule"]) for r in rows]
+    assert settings == [
+        (regime, fmt, rule) for regime in ("init", "trained") for fmt in ("fp16", "fp8_e5m2")
+        for rule in ("reference", "paper")
+    ]  # fmt: skip
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == "FP32 training: 1 steps, final loss " + printed[0].rsplit(" ", 1)[1]
+    assert [line.split(" | ")[:3] for line in printed[3:]] == [[f"| {a}", b, c] for a, b, c in settings]
+    for regime, fmt, rule in settings:
+        with open(tmp_path / f"{regime}_{fmt}_{rule}.csv", newline="") as f:
+            layers = list(csv.DictReader(f))
+        assert {"wte", "blocks.0.attn.c_attn", "blocks.1.attn.scores"} <= {r["layer"] for r in layers}
+        for r in layers:
+            assert (
+                0 <= float(r["underflow_product_betas_off"]) <= 1
+                and 0 <= float(r["underflow_product_betas_on"]) <= 1
+            )
+
+
+def test_the_entry_point_writes_into_the_checkout_it_is_in(tmp_path):
+    """``scripts/attention_betas.py`` copied into another checkout, ``src/`` linked (as the docs' blocks run
+    it): its default ``--out`` is that checkout's ``results/attention_betas``, not the package's."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    shutil.copytree(ROOT / "scripts", tmp_path / "scripts")
+    (tmp_path / "src").symlink_to(ROOT / "src", target_is_directory=True)
+    before = sorted((ROOT / "results" / "attention_betas").iterdir())
+    stamps = [p.stat().st_mtime_ns for p in before]
+    run = subprocess.run(
+        [sys.executable, str(tmp_path / "scripts" / "attention_betas.py"), "--steps", "0"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert run.returncode == 0, run.stderr
+    assert len(list((tmp_path / "results" / "attention_betas").glob("*.csv"))) == 8
+    assert [p.stat().st_mtime_ns for p in before] == stamps  # the committed CSVs untouched
 
 
 def test_product_betas_combine_the_statistics_of_all_ranks():

@@ -1,4 +1,5 @@
-"""The tables and figures on the pages are what ``scripts/render_docs.py`` renders from the committed results.
+"""The tables and figures on the pages are what ``scripts/render_docs.py`` (:mod:`adaloss.docgen`) renders
+from the committed results.
 
 A result file that changes without the pages being rendered again, or a page edited by hand inside a
 generated region, fails here with the files that differ and the command that fixes them.
@@ -6,29 +7,27 @@ generated region, fails here with the files that differ and the command that fix
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
 
 import pytest
 
+from adaloss.docgen import pages
+from adaloss.docgen.stamp import stamp
+from conftest import load_script
 from test_docs_blocks import ROOT
 
 
-def _render_docs():
-    spec = importlib.util.spec_from_file_location("render_docs", ROOT / "scripts" / "render_docs.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-render_docs = _render_docs()
-
-
 def test_committed_pages_match_the_render() -> None:
-    stale = [p.relative_to(ROOT).as_posix() for p in render_docs.differences(ROOT)]
+    stale = [p.relative_to(ROOT).as_posix() for p in pages.differences(ROOT)]
     assert not stale, f"out of date: {stale}; run: python scripts/render_docs.py"
+
+
+def test_the_entry_point_checks_the_committed_pages(capsys) -> None:
+    """``scripts/render_docs.py --check`` itself: exit status 0 and nothing listed on this checkout."""
+    assert load_script("render_docs").main(["--check"]) == 0
+    assert "out of date" not in capsys.readouterr().out
 
 
 def _copy(tmp_path: Path) -> Path:
@@ -42,21 +41,40 @@ def _copy(tmp_path: Path) -> Path:
     return root
 
 
+def test_the_entry_point_renders_the_checkout_it_is_in(tmp_path: Path) -> None:
+    """``scripts/render_docs.py`` copied into another checkout, ``src/`` linked (as the docs' blocks run it):
+    it checks and writes that checkout's pages, not the package's."""
+    import subprocess
+    import sys
+
+    root = _copy(tmp_path)
+    shutil.copytree(ROOT / "scripts", root / "scripts")
+    (root / "src").symlink_to(ROOT / "src", target_is_directory=True)
+    page = root / "docs" / "precision.md"
+    page.write_text(page.read_text(encoding="utf-8").replace("| ResNet-110  |", "| ResNet-111  |", 1))
+    command = [sys.executable, str(root / "scripts" / "render_docs.py")]
+    check = subprocess.run([*command, "--check"], cwd=root, capture_output=True, text=True)
+    assert (check.returncode, check.stdout) == (1, "out of date: docs/precision.md\n"), check
+    write = subprocess.run(command, cwd=root, capture_output=True, text=True)
+    assert (write.returncode, write.stdout) == (0, "wrote docs/precision.md\n"), write
+    assert pages.differences(root) == []
+
+
 def test_a_changed_result_makes_its_page_stale_and_the_render_fixes_it(tmp_path: Path) -> None:
     root = _copy(tmp_path)
-    assert render_docs.differences(root) == []
+    assert pages.differences(root) == []
     table = root / "results" / "mini" / "tables" / "table1_cifar.md"
     table.write_text(
         table.read_text(encoding="utf-8").replace("97.50 ± 1.94", "12.34 ± 5.67"), encoding="utf-8"
     )
     figure = root / "results" / "mini" / "figures" / "fig4a.png"
     figure.write_bytes(figure.read_bytes() + b"\0")
-    assert render_docs.differences(root) == [
+    assert pages.differences(root) == [
         root / "docs" / "reproducing.md",
         root / "docs" / "assets/mini/fig4a.png",
     ]
-    render_docs.write(root)
-    assert render_docs.differences(root) == []
+    pages.write(root)
+    assert pages.differences(root) == []
     assert "12.34 ± 5.67" in (root / "docs" / "reproducing.md").read_text(encoding="utf-8")
 
 
@@ -65,7 +83,7 @@ def test_a_region_edited_by_hand_is_stale(tmp_path: Path) -> None:
     page = root / "docs" / "precision.md"
     text = page.read_text(encoding="utf-8")
     page.write_text(text.replace("| ResNet-110  |", "| ResNet-111  |", 1), encoding="utf-8")
-    assert render_docs.differences(root) == [page]
+    assert pages.differences(root) == [page]
 
 
 def test_every_region_is_on_a_page_and_closed(tmp_path: Path) -> None:
@@ -74,10 +92,10 @@ def test_every_region_is_on_a_page_and_closed(tmp_path: Path) -> None:
     text = page.read_text(encoding="utf-8")
     page.write_text(text.replace("<!-- end generated: attention-betas -->", ""), encoding="utf-8")
     with pytest.raises(SystemExit, match="has no"):
-        render_docs.render(root)
+        pages.render(root)
     page.write_text(text.replace("attention-betas", "attention-gammas"), encoding="utf-8")
     with pytest.raises(SystemExit, match="unknown generated region"):
-        render_docs.render(root)
+        pages.render(root)
 
 
 def test_every_measurement_of_record_is_stamped() -> None:
@@ -99,7 +117,7 @@ def test_every_measurement_of_record_is_stamped() -> None:
 def test_stamp_records_the_commit_and_command(tmp_path: Path) -> None:
     path = tmp_path / "bench.json"
     path.write_text(json.dumps({"machine": {}, "table_markdown": "x"}))
-    record = render_docs.stamp(path, "make bench", root=ROOT)
+    record = stamp(path, "make bench", root=ROOT)
     assert record["command"] == "make bench" and len(record["commit"]) >= 7
     assert json.loads(path.read_text())["record"] == record
 
@@ -109,5 +127,5 @@ def test_the_performance_page_renders_without_a_measurement(tmp_path: Path) -> N
     root = _copy(tmp_path)
     for path in (root / "results" / "bench").glob("*.json"):
         path.unlink()
-    text = render_docs.render(root)[root / "docs" / "performance.md"]
+    text = pages.render(root)[root / "docs" / "performance.md"]
     assert "No measurement of record is committed yet" in text

@@ -1,6 +1,7 @@
-"""``scripts/fp8_lab.py``: the confidence-interval arithmetic of its table on hand-made runs, its ``--smoke``
-mode end to end (table, CSV, JSON, figures; a second call resumes and runs nothing), the refusal of a runs
-file made with other settings, and the docs page showing the committed table."""
+"""The FP8 lab (:mod:`adaloss.labs.fp8`, ``scripts/fp8_lab.py``): the confidence-interval arithmetic of its
+table on hand-made runs, the entry point's ``--smoke`` mode end to end (table, CSV, JSON, figures; a second
+call resumes and runs nothing), the refusal of a runs file made with other settings, and the docs page
+showing the committed table."""
 
 from __future__ import annotations
 
@@ -11,11 +12,14 @@ from pathlib import Path
 
 import pytest
 
+from adaloss.labs.fp8 import cells, stats, tables
+from adaloss.labs.fp8 import runs as fp8_runs
 from conftest import ROOT, load_script
 
 
 @pytest.fixture(scope="module")
 def lab():
+    """``scripts/fp8_lab.py``, the entry point itself."""
     return load_script("fp8_lab")
 
 
@@ -33,7 +37,7 @@ def _row(cell: str, seed: int, value: float | None, **extra) -> dict:
     }
 
 
-def test_gap_to_fp32_is_paired_by_seed_with_a_t_interval(lab) -> None:
+def test_gap_to_fp32_is_paired_by_seed_with_a_t_interval() -> None:
     # FP32 1..5; the cell is FP32 + (0.5, 0.4, 0.6, 0.5, 0.5) seed by seed. Paired differences: mean 0.5,
     # sample sd sqrt((0 + 0.01 + 0.01 + 0 + 0) / 4) = 0.0707107, t(0.975, 4) = 2.776445 (a t table), so the
     # half-width is 2.776445 * 0.0707107 / sqrt(5) = 0.087799. Unpaired, the spread of FP32's own values
@@ -42,40 +46,40 @@ def test_gap_to_fp32_is_paired_by_seed_with_a_t_interval(lab) -> None:
     fp32 = [_row("fp32", s, float(s + 1)) for s in range(5)]
     cell = [_row("E4M3/none/global", s, s + 1 + d) for s, d in enumerate((0.5, 0.4, 0.6, 0.5, 0.5))]
     rows = list(reversed(fp32 + cell))  # the order of the file does not matter
-    summary = lab.summarize(rows, "gpt", lab.Cell("E4M3/none/global", (), "E4M3", "none", "global"))
+    summary = stats.summarize(rows, "gpt", cells.Cell("E4M3/none/global", (), "E4M3", "none", "global"))
     assert summary["gap"] == pytest.approx(0.5) and summary["pairs"] == 5
     assert summary["gap_ci"] == pytest.approx(0.087799, abs=2e-6) and summary["separated"]
     assert summary["mean"] == pytest.approx(3.5) and summary["sd"] == pytest.approx(math.sqrt(10.22 / 4))
     # a seed whose cell run diverged (value None) leaves the pairs; one whose FP32 run is missing too
     rows = [*fp32[1:], *cell[:4], _row("E4M3/none/global", 4, None)]
-    summary = lab.summarize(rows, "gpt", lab.Cell("E4M3/none/global", (), "E4M3", "none", "global"))
+    summary = stats.summarize(rows, "gpt", cells.Cell("E4M3/none/global", (), "E4M3", "none", "global"))
     assert summary["pairs"] == 3 and summary["diverged"] == 1
     assert summary["gap"] == pytest.approx(0.5)  # seeds 1, 2, 3: 0.4, 0.6, 0.5
     # t(0.975, 2) = 4.302653; sd of (0.4, 0.6, 0.5) = 0.1
     assert summary["gap_ci"] == pytest.approx(4.302653 * 0.1 / math.sqrt(3), abs=1e-6)
     # two seeds either side of zero: the interval contains 0 and the table says it cannot separate them
     mixed = [*fp32[:2], _row("bf16", 0, 1.1), _row("bf16", 1, 1.9)]
-    summary = lab.summarize(mixed, "gpt", lab.Cell("bf16", ()))
+    summary = stats.summarize(mixed, "gpt", cells.Cell("bf16", ()))
     assert summary["gap"] == pytest.approx(0.0) and not summary["separated"]
-    assert lab.t_interval([2.0]) == (2.0, pytest.approx(math.nan, nan_ok=True), 1)
+    assert stats.t_interval([2.0]) == (2.0, pytest.approx(math.nan, nan_ok=True), 1)
 
 
-def test_scaler_effects_pair_the_scalers_under_the_same_quantizer(lab) -> None:
+def test_scaler_effects_pair_the_scalers_under_the_same_quantizer() -> None:
     rows = [
         _row(f"E5M2/{scaler}/tensor_current", s, v + s)
         for s in range(3)
         for scaler, v in (("none", 1.0), ("adaptive", 1.0), ("dynamic", 2.0))
     ]
     effects = {
-        e["contrast"]: e for e in lab.scaler_effects(rows, "gpt") if e["quantizer"] == "tensor_current"
+        e["contrast"]: e for e in stats.scaler_effects(rows, "gpt") if e["quantizer"] == "tensor_current"
     }
     assert effects["adaptive - none"]["diff"] == 0.0 and not effects["adaptive - none"]["separated"]
     assert effects["dynamic - none"]["diff"] == pytest.approx(1.0) and effects["dynamic - none"]["ci"] == 0.0
-    table = lab.effects_table(lab.scaler_effects(rows, "gpt"), "gpt")
+    table = tables.effects_table(stats.scaler_effects(rows, "gpt"), "gpt")
     assert "| E5M2 | tensor_current | +1.000 ± 0.000 | +0.000 ± 0.000 ~ | -1.000 ± 0.000 |" in table
 
 
-def test_underflow_columns_are_over_the_layers_every_fp8_cell_measures(lab) -> None:
+def test_underflow_columns_are_over_the_layers_every_fp8_cell_measures() -> None:
     # the adaptive runs also measure the attention products they scale (attn.scores here, 50% underflow);
     # the other scalers' runs do not, so the table's mean and worst layer leave it out (it stays per layer)
     rates = {"fc": 0.1, "attn.c_attn": 0.3}
@@ -86,27 +90,27 @@ def test_underflow_columns_are_over_the_layers_every_fp8_cell_measures(lab) -> N
         _row("E4M3/adaptive/global", 0, 1.0, underflow_rate={**rates, "attn.scores": 0.5}),
         _row("fp32", 0, 1.0, underflow_rate={"fc": 0.9}),  # FP16's counterfactual: not an FP8 cell
     ]
-    layers = lab.common_layers(rows, "gpt")
+    layers = stats.common_layers(rows, "gpt")
     assert layers == {"fc", "attn.c_attn"}
-    summary = lab.summarize(
-        rows, "gpt", lab.Cell("E4M3/adaptive/global", (), "E4M3", "adaptive", "global"), layers
+    summary = stats.summarize(
+        rows, "gpt", cells.Cell("E4M3/adaptive/global", (), "E4M3", "adaptive", "global"), layers
     )
     assert summary["underflow_mean"] == pytest.approx(0.2) and summary["underflow_max"] == 0.3
     assert (
         summary["underflow_max_layer"] == "attn.c_attn"
         and summary["underflow_by_layer"]["attn.scores"] == 0.5
     )
-    fp32 = lab.summarize(rows, "gpt", lab.Cell("fp32", ()), layers)
+    fp32 = stats.summarize(rows, "gpt", cells.Cell("fp32", ()), layers)
     assert math.isnan(fp32["underflow_mean"]) and fp32["underflow_by_layer"] == {}
 
 
 def test_smoke_run_writes_the_table_and_figures_and_resumes(lab, tmp_path: Path, monkeypatch) -> None:
     out, runs = tmp_path / "fp8", tmp_path / "runs"
     lab.main(["--smoke", "--out", str(out), "--runs-dir", str(runs)])
-    for model in lab.MODELS:
+    for model in cells.MODELS:
         rows = [json.loads(line) for line in (out / f"runs_{model}.jsonl").read_text().splitlines()]
         assert sorted((r["cell"], r["seed"]) for r in rows) == sorted(
-            (c, s) for c in lab.SMOKE_CELLS for s in (0, 1)
+            (c, s) for c in cells.SMOKE_CELLS for s in (0, 1)
         )
         assert all(r["steps"] == 2 for r in rows)
     fp8 = [r for r in rows if r["cell"] == "E4M3/adaptive/mx_block_ceil"]
@@ -114,14 +118,14 @@ def test_smoke_run_writes_the_table_and_figures_and_resumes(lab, tmp_path: Path,
     table = (out / "fp8_lab.md").read_text()
     assert "gap to FP32, 95% CI" in table and "| E4M3/none/global | 2 |" in table
     with open(out / "fp8_lab.csv", newline="") as f:
-        assert {r["cell"] for r in csv.DictReader(f)} == set(lab.SMOKE_CELLS)
+        assert {r["cell"] for r in csv.DictReader(f)} == set(cells.SMOKE_CELLS)
     assert json.loads((out / "fp8_lab.json").read_text())["summary"]
     assert (out / "fp8_gap.png").stat().st_size > 0 and (out / "fp8_layers.png").stat().st_size > 0
 
     def no_run(*args, **kwargs):
         raise AssertionError("a finished run ran again")
 
-    monkeypatch.setattr(lab, "run_one", no_run)
+    monkeypatch.setattr(fp8_runs, "run_one", no_run)
     lab.main(["--smoke", "--out", str(out), "--runs-dir", str(runs)])  # every run is there: nothing runs
     again = (out / "fp8_lab.md").read_text()
     assert again.splitlines()[1:] == table.splitlines()[1:]  # the first line: the machine, load and date

@@ -1,7 +1,7 @@
-"""``scripts/lm_underflow.py`` (docs/language-models.md's table) at tiny settings: it runs, its table
-has a row per regime, gradient format and kind of layer and a column per scaler, and without scaling more
-of attention's and the MLP's input gradients underflow in FP16 at initialization than with the adaptive
-scaler."""
+"""``scripts/lm_underflow.py`` (:mod:`adaloss.labs.underflow.lm_cli`; docs/language-models.md's table) at
+tiny settings: it runs, its table has a row per regime, gradient format and kind of layer and a column per
+scaler, and without scaling more of attention's and the MLP's input gradients underflow in FP16 at
+initialization than with the adaptive scaler."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from adaloss.labs.underflow import lm
 from conftest import load_script
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
@@ -17,6 +18,7 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 @pytest.fixture(scope="module")
 def lm_underflow():
+    """``scripts/lm_underflow.py``, the entry point itself."""
     return load_script("lm_underflow")
 
 
@@ -32,7 +34,7 @@ def _rows(table: str) -> list[list[str]]:
     return [[c.strip() for c in line.strip().strip("|").split("|")] for line in table.splitlines()[2:]]
 
 
-def test_the_table_has_every_regime_format_layer_kind_and_scaler(lm_underflow, tiny_run) -> None:
+def test_the_table_has_every_regime_format_layer_kind_and_scaler(tiny_run) -> None:
     payload, out = tiny_run
     text = (out / "table.md").read_text()
     assert text.startswith("Machine: ") and "trained: validation loss" in text
@@ -40,7 +42,7 @@ def test_the_table_has_every_regime_format_layer_kind_and_scaler(lm_underflow, t
     header = [c.strip() for c in table.splitlines()[0].strip("|").split("|")]
     assert header == ["weights", "gradients", "layer", "none", "fixed 1024", "dynamic", "adaptive"]
     rows = _rows(table)
-    labels = [label for label, _ in lm_underflow.KINDS] + ["mean over the GEMM layers", "loss scale"]
+    labels = [label for label, _ in lm.KINDS] + ["mean over the GEMM layers", "loss scale"]
     expected = [
         [regime, fmt, label]
         for regime in ("init", "2 FP32 steps")

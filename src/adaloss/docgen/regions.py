@@ -1,0 +1,169 @@
+"""What fills each generated region (:data:`REGIONS`): a renderer per region, reading the committed result
+files under a checkout's root."""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from adaloss.docgen.markdown import demote, escape_html, paragraphs
+
+#: The mini reproduction's figures shown on the pages, copied to docs/assets/mini/.
+MINI_FIGURES = ("fig1a", "fig1b", "fig4a", "fig4b")
+FIGURE_ASSETS = Path("docs") / "assets" / "mini"
+
+
+def _pct(value: float) -> str:
+    return f"{value:.2%}"
+
+
+def mini_tables(root: Path) -> str:
+    """The five tables of ``make reproduce-mini``, as ``scripts/make_tables.py`` wrote them."""
+    files = sorted((root / "results" / "mini" / "tables").glob("table[1-5]_*.md"))
+    if len(files) != 5:
+        raise SystemExit(f"error: expected 5 tables in results/mini/tables/, found {len(files)}")
+    return "\n\n".join(paragraphs(demote(f.read_text(encoding="utf-8"), 2)) for f in files)
+
+
+def mini_figures(root: Path) -> str:
+    """One image per figure, its alt text the first line of the title make_figures.py gave it."""
+    meta = json.loads((root / "results" / "mini" / "figures" / "figures.json").read_text(encoding="utf-8"))
+    lines = []
+    for name in MINI_FIGURES:
+        title = meta["figures"][name]["title"].splitlines()[0]
+        label = f"Figure {name[3:]}"
+        src = f"{FIGURE_ASSETS.relative_to('docs').as_posix()}/{name}.png"
+        lines.append(f"![{label}, mini reproduction: {title}]({src})")
+    return "\n\n".join(lines)
+
+
+def mini_claims(root: Path) -> str:
+    """The claims table of ``make reproduce-mini``'s claims stage, as ``adaloss.reports.claims`` wrote it
+    (its title left out: the page has its own heading)."""
+    text = (root / "results" / "mini" / "claims" / "claims.md").read_text(encoding="utf-8")
+    return paragraphs(demote(escape_html(text.split("\n", 1)[1]), 2))
+
+
+def root_scale(root: Path) -> str:
+    """``results/root/root_scale.md`` as ``scripts/root_scale.py`` wrote it (the root-scale options)."""
+    text = (root / "results" / "root" / "root_scale.md").read_text(encoding="utf-8")
+    return paragraphs(escape_html(text))
+
+
+def lm_table(folder: str) -> Callable[[Path], str]:
+    def render(root: Path) -> str:
+        return paragraphs((root / "results" / "lm" / folder / "table.md").read_text(encoding="utf-8"))
+
+    render.__doc__ = f"``results/lm/{folder}/table.md`` as ``scripts/lm_*.py`` wrote it."
+    return render
+
+
+def underflow_table(root: Path) -> str:
+    """The table ``scripts/underflow_table.py`` wrote into ``results/underflow/underflow.json``."""
+    data = json.loads((root / "results" / "underflow" / "underflow.json").read_text(encoding="utf-8"))
+    return paragraphs(demote(escape_html(data["table_markdown"]), 1))
+
+
+#: ``scripts/attention_betas.py``'s output layer (the tied projection), left out of its means.
+ATTENTION_OUTPUT_LAYER = "wte"
+
+
+def attention_betas(root: Path) -> str:
+    """``scripts/attention_betas.py``'s summary, recomputed from its per-layer CSVs: for each regime, gradient
+    format and rule, the mean underflow over all layers but the output, over the attention products, over
+    the QKV projections, and how many layers the product betas made better or worse (off -> on)."""
+    folder = root / "results" / "attention_betas"
+    rows = [
+        "| regime | gradients | rule | mean underflow, all layers but the output | attention products "
+        "| QKV projection | layers better / worse |",
+        "|:--|:--|:--|--:|--:|--:|--:|",
+    ]
+    for regime in ("init", "trained"):
+        for fmt in ("fp16", "fp8_e5m2"):
+            for rule in ("reference", "paper"):
+                path = folder / f"{regime}_{fmt}_{rule}.csv"
+                with open(path, newline="", encoding="utf-8") as f:
+                    table = {
+                        r["layer"]: (
+                            float(r["underflow_product_betas_off"]),
+                            float(r["underflow_product_betas_on"]),
+                        )
+                        for r in csv.DictReader(f)
+                    }
+                layers = [k for k in table if k != ATTENTION_OUTPUT_LAYER]
+
+                def mean(
+                    keep: Callable[[str], bool], side: int, layers: list[str] = layers, table: dict = table
+                ) -> float:
+                    values = [table[k][side] for k in layers if keep(k)]
+                    return sum(values) / len(values)
+
+                cells = []
+                for keep in (
+                    lambda k: True,
+                    lambda k: k.endswith((".scores", ".values")),
+                    lambda k: k.endswith("c_attn"),
+                ):
+                    cells.append(f"{_pct(mean(keep, 0))} -> {_pct(mean(keep, 1))}")
+                better = sum(table[k][1] < table[k][0] for k in layers)
+                worse = sum(table[k][1] > table[k][0] for k in layers)
+                counts = f"{better} / {worse} of {len(layers)}"
+                rows.append(f"| {regime} | {fmt} | {rule} | {' | '.join(cells)} | {counts} |")
+    return "\n".join(rows)
+
+
+def bench(root: Path) -> str:
+    """A section per measurement of record in ``results/bench/*.json``: what produced it, then its tables."""
+    files = sorted((root / "results" / "bench").glob("*.json"))
+    if not files:
+        return "No measurement of record is committed yet: run `make bench`, then stamp and render as above."
+    sections = []
+    for path in files:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        machine = data.get("machine", {})
+        record = data.get("record") or {}
+        commit = record.get("commit", "not recorded")
+        if record.get("dirty"):
+            commit += " (with uncommitted changes)"
+        command = record.get("command") or "scripts/bench.py " + " ".join(
+            data.get("settings", {}).get("argv", [])
+        )
+        threads = machine.get("threads")
+        cpu = f"{machine.get('cpu', '?')}, {machine.get('cores', '?')} cores, {threads} thread" + (
+            "s" if threads != 1 else ""
+        )
+        load = machine.get("load_avg_at_start")
+        load_text = "/".join(f"{x:.2f}" for x in load) if load else "not recorded"
+        rel = path.relative_to(root).as_posix()
+        sections.append(
+            "\n".join(
+                [
+                    f"### `{rel}`",
+                    "",
+                    "| machine | load at start | torch | commit | date | command |",
+                    "| --- | --- | --- | --- | --- | --- |",
+                    f"| {cpu} | {load_text} | {machine.get('torch', '?')} | {commit} "
+                    f"| {machine.get('date', '?')} | `{command}` |",
+                    "",
+                    paragraphs(demote(escape_html(data["table_markdown"]), 1)),
+                ]
+            )
+        )
+    return "\n\n".join(sections)
+
+
+#: region name -> what renders it. A page may hold any of them; every one must appear on some page.
+REGIONS: dict[str, Callable[[Path], str]] = {
+    "mini-tables": mini_tables,
+    "mini-figures": mini_figures,
+    "mini-claims": mini_claims,
+    "root-scale": root_scale,
+    "lm-untied": lm_table("untied"),
+    "lm-tied": lm_table("tied"),
+    "lm-underflow": lm_table("underflow"),
+    "underflow-table": underflow_table,
+    "attention-betas": attention_betas,
+    "bench": bench,
+}
