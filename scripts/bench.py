@@ -12,9 +12,16 @@ elsewhere); ``--help`` lists the options, and :mod:`adaloss.bench`'s docstring s
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # a checkout without `pip install -e`
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))  # a checkout without `pip install -e`
 
-from adaloss.bench.cli import main  # noqa: E402
+from adaloss.bench import cli  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """:func:`adaloss.bench.cli.main`, its default ``--out`` in this checkout."""
+    return cli.main(argv, root=ROOT)
+
 
 if __name__ == "__main__":
     main()

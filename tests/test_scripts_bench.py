@@ -416,3 +416,20 @@ def test_underflow_quick_writes_rates(underflow, tmp_path: Path, capsys, one_thr
     assert res["regimes"]["trained_fp8"]["precision"] == "fp8_e5m2"
     printed = capsys.readouterr().out
     assert "| VGG (no BN)" in printed and "trained_fp8" in printed
+
+
+def test_a_copied_bench_script_writes_into_its_own_checkout(tmp_path: Path, monkeypatch) -> None:
+    """``scripts/bench.py`` run from another checkout (the docs' blocks run scripts from a copy with
+    ``src/`` linked) puts its default ``--out`` under that checkout's ``results/``, not the package's."""
+    import importlib.util
+    import shutil
+
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "bench.py", tmp_path / "scripts" / "bench.py")
+    (tmp_path / "src").symlink_to(ROOT / "src")
+    spec = importlib.util.spec_from_file_location("bench_copy", tmp_path / "scripts" / "bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(cli, "_run", lambda args: {"out": args.out})  # the paths only: nothing is timed
+    assert module.main(["--quick"])["out"] == str(tmp_path / "results" / "bench" / "bench.json")
+    assert module.main(["--gpt", "only"])["out"] == str(tmp_path / "results" / "bench" / "gpt.json")

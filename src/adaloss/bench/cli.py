@@ -8,6 +8,7 @@ import argparse
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -120,8 +121,9 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    """The options, with the defaults that depend on others filled in; bad values exit via ``p.error``."""
+def parse_args(argv: Sequence[str] | None, root: Path = ROOT) -> argparse.Namespace:
+    """The options, with the defaults that depend on others filled in; bad values exit via ``p.error``.
+    ``root``: the checkout the default ``--out`` is in (the script's own)."""
     p = _parser()
     args = p.parse_args(argv)
     args.argv = list(argv) if argv is not None else sys.argv[1:]
@@ -140,7 +142,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.gpt == "only" and args.opcounts == "only":
         p.error("--gpt only and --opcounts only exclude each other: run them one at a time")
     name = {"only": "gpt.json"}.get(args.gpt, "opcounts.json" if args.opcounts == "only" else "bench.json")
-    args.out = args.out or str(ROOT / "results" / "bench" / name)
+    args.out = args.out or str(root / "results" / "bench" / name)
     keys = [s.key for s in SPECS]
     chosen = [c for item in (args.configs or keys) for c in item.split(",") if c]
     for c in chosen:
@@ -158,9 +160,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Run the benchmark, print the tables to stdout (progress to stderr), write the JSON; returns it."""
-    args = parse_args(argv)
+def main(argv: Sequence[str] | None = None, root: Path = ROOT) -> dict[str, Any]:
+    """Run the benchmark, print the tables to stdout (progress to stderr), write the JSON; returns it.
+    ``root``: the checkout the default ``--out`` is in (``scripts/bench.py`` passes its own)."""
+    args = parse_args(argv, root)
     from adaloss.utils.allocator import tune_cpu_allocator
 
     args.malloc_tuned = tune_cpu_allocator()  # before any model is built: see adaloss.bench

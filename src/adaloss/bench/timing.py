@@ -27,7 +27,7 @@ from adaloss.bench.specs import (
     SPECS,
     Spec,
 )
-from adaloss.reports.measurement import ROOT, model_cfg
+from adaloss.reports.measurement import model_cfg
 
 _CLOCK = time.perf_counter  # the step timer; set from --clock by adaloss.bench.cli.main()
 
@@ -148,7 +148,7 @@ def build_inputs(name: str, batch: int, seed: int) -> tuple[torch.nn.Module, lis
     gen = torch.Generator().manual_seed(seed)
     if name == GPT_MODEL:
         base = build_model(
-            OmegaConf.load(ROOT / "configs" / "model" / "gpt.yaml"),
+            OmegaConf.create({"name": GPT_MODEL}),  # configs/model/gpt.yaml
             vocab_size=GPT_VOCAB,
             block_size=GPT_BLOCK,
         )
