@@ -104,6 +104,7 @@ def test_underflow_columns_are_over_the_layers_every_fp8_cell_measures() -> None
     assert math.isnan(fp32["underflow_mean"]) and fp32["underflow_by_layer"] == {}
 
 
+@pytest.mark.slow  # 10 s: make test-full runs it; make test keeps the lab's statistics and table tests
 def test_smoke_run_writes_the_table_and_figures_and_resumes(lab, tmp_path: Path, monkeypatch) -> None:
     out, runs = tmp_path / "fp8", tmp_path / "runs"
     lab.main(["--smoke", "--out", str(out), "--runs-dir", str(runs)])

@@ -125,6 +125,7 @@ def _steps(path: Path, column: int = 0) -> list[int]:
     return [json.loads(line)["step"] for line in lines]
 
 
+@pytest.mark.slow  # 18 s of subprocesses; make test-full runs it
 def test_a_second_process_is_refused_and_a_killed_runs_lock_is_taken_over(tmp_path: Path) -> None:
     run = tmp_path / "run"
     first = _cli(run, slow=True)
