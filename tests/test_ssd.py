@@ -18,6 +18,7 @@ from adaloss.models.ssd import (
     feature_map_sizes,
     load_backbone_weights,
     lsuv_init_,
+    ssd_detector,
 )
 from adaloss.scalers.adaptive import AdaptiveLossScaler
 
@@ -241,9 +242,11 @@ def test_width_multiplier_scales_channels_but_keeps_layers_and_boxes(tmp_path):
     assert cls_logits.shape == (2, thin.num_anchors, 4) and bbox_regression.shape == (2, thin.num_anchors, 4)
     fx.symbolic_trace(thin.net)  # still traceable for the adaptive scaler
 
-    for bad in (0, -0.5, float("nan"), "wide", True):
+    for bad in (0, -0.5, float("nan"), "wide", True):  # the function's own check, for direct callers
         with pytest.raises(ConfigError, match="width_multiplier must be a positive number"):
-            build_detector({"name": "ssd300", "image_size": 64, "width_multiplier": bad}, num_classes=3)
+            ssd_detector("ssd300", 3, image_size=64, width_multiplier=bad)
+    with pytest.raises(ConfigError, match="model.width_multiplier must be a number > 0"):  # the schema's
+        build_detector({"name": "ssd300", "image_size": 64, "width_multiplier": 0}, num_classes=3)
     weights = tmp_path / "backbone.pt"
     torch.save(full.net.backbone.state_dict(), weights)
     cfg = {"name": "ssd512", "image_size": 64, "width_multiplier": 0.5, "backbone_weights": str(weights)}

@@ -37,11 +37,11 @@ __all__ = ["compare_gradients", "main", "step_ratios", "time_steps"]
 
 ROOT = Path(__file__).resolve().parents[2]
 CUDA_TESTS = ["tests/test_cuda.py", "tests/test_gpu_path.py"]
-#: (scaler name, options) of the timed configurations
+#: (scaler class in :mod:`adaloss.scalers`, options) of the timed configurations
 CONFIGS = {
-    "dynamic": ("dynamic", {}),
-    "adaptive_u1": ("adaptive", {"update_every": 1}),
-    "adaptive_u100": ("adaptive", {"update_every": 100}),
+    "dynamic": ("DynamicLossScaler", {}),
+    "adaptive_u1": ("AdaptiveLossScaler", {"update_every": 1}),
+    "adaptive_u100": ("AdaptiveLossScaler", {"update_every": 100}),
 }
 
 
@@ -71,12 +71,10 @@ def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.flatten(0, -2).float(), y.flatten())
 
 
-def _scaler(name: str, options: dict[str, Any], device: str) -> Any:
-    from adaloss.scalers import AdaptiveLossScaler, DynamicLossScaler
+def _scaler(class_name: str, options: dict[str, Any], device: str) -> Any:
+    import adaloss.scalers
 
-    if name == "dynamic":
-        return DynamicLossScaler(device, **options)
-    return AdaptiveLossScaler(device, **options)
+    return getattr(adaloss.scalers, class_name)(device, **options)
 
 
 class _Timer:
@@ -117,10 +115,10 @@ def time_steps(
     """Median milliseconds per training step of each configuration of :data:`CONFIGS` (and, for the
     adaptive ones, of a recompute step and of a reuse step), interleaved over ``rounds`` rounds."""
     runs = {}
-    for key, (name, options) in CONFIGS.items():
+    for key, (class_name, options) in CONFIGS.items():
         torch.manual_seed(0)
         model, make = _model(model_name, device)
-        scaler = _scaler(name, options, device)
+        scaler = _scaler(class_name, options, device)
         model = scaler.attach(model)
         runs[key] = (scaler, model, torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9), make)
     times: dict[str, dict[str, list[float]]] = {k: {"step": [], "recompute": [], "reuse": []} for k in runs}

@@ -59,7 +59,6 @@ from torchvision.models.detection.transform import resize_boxes
 from torchvision.ops import boxes as box_ops
 
 from adaloss.errors import ConfigError
-from adaloss.utils.fields import MISSING, config_field
 
 __all__ = [
     "DETECTION_MODEL_NAMES",
@@ -76,10 +75,6 @@ __all__ = [
     "load_backbone_weights",
     "lsuv_init_",
 ]
-
-
-def _field(cfg: Any, key: str, default: Any = MISSING) -> Any:
-    return config_field(cfg, key, default, group="model")
 
 
 @dataclass(frozen=True)
@@ -604,16 +599,15 @@ def default_boxes(config: SSDConfig, image_size: int, grid_sizes: Sequence[tuple
 
 
 def build_detector(cfg: Any, num_classes: int) -> SSDDetector:
-    """:func:`ssd_detector` from a config node with the fields ``name`` (``ssd300`` or ``ssd512``),
-    ``image_size``, ``width_multiplier``, ``backbone_weights`` and ``background_prior``."""
-    return ssd_detector(
-        str(_field(cfg, "name")),
-        num_classes,
-        image_size=_field(cfg, "image_size", None),
-        width_multiplier=_field(cfg, "width_multiplier", 1.0),
-        backbone_weights=_field(cfg, "backbone_weights", None),
-        background_prior=_field(cfg, "background_prior", None),
-    )
+    """The detector of a ``model`` config for ``num_classes`` object classes: ``{"name": "ssd512",
+    "image_size": 128}`` is ``configs/model/ssd512.yaml`` with that image size (the defaults are the
+    model schema's, :class:`adaloss.schemas.SSDConf`); :func:`adaloss.models.build_model` builds it."""
+    from adaloss.models import build_model
+
+    detector = build_model(cfg, num_classes)
+    if not isinstance(detector, SSDDetector):
+        raise ConfigError(f"model {dict(cfg).get('name')!r} is not an SSD detector: choose ssd300 or ssd512")
+    return detector
 
 
 def ssd_detector(
