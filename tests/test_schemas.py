@@ -62,6 +62,13 @@ CASES = [
         ["logger.wandb.init_timeout must be a number > 0"],
     ),
     ("logger", ["logger=wandb", "+logger.wandb.bogus=1"], ["unknown key 'logger.wandb.bogus'"]),
+    ("task", ["dataset=shapes", "model=ssd300", "task.init=[1,2]"], ["task.init: Cannot convert 'list'"]),
+    (
+        "task",
+        ["dataset=shapes", "model=ssd300", "task.init=bogus"],
+        ["task.init must be one of default, lsuv, got 'bogus'"],
+    ),
+    ("task", ["+task.bogus=1"], ["unknown key 'task.bogus'", "task=custom task._target_="]),
     ("trainer", ["trainer.batch_size=abc"], ["trainer.batch_size must be an integer, got 'abc'"]),
     ("trainer", ["trainer.batch_size=0"], ["trainer.batch_size must be a positive integer, got 0"]),
     ("trainer", ["+trainer.bogus=1"], ["unknown key 'trainer.bogus'", "trainer has the fields"]),
@@ -111,7 +118,7 @@ def test_every_group_rejects_a_wrong_type_a_bad_value_and_an_unknown_key(
 
 
 def test_the_table_covers_every_group_three_ways() -> None:
-    groups = ("scaler", "dataset", "model", "optimizer", "schedule", "precision", "logger", "trainer")
+    groups = ("scaler", "dataset", "model", "task", "optimizer", "schedule", "precision", "logger", "trainer")
     for group in groups:
         assert len([c for c in CASES if c[0] == group]) == 3, group
 
