@@ -235,3 +235,11 @@ def test_a_dataset_config_is_data_only_and_names_its_recipe() -> None:
     # the recipe is selectable on its own: digits' data with CIFAR's recipe
     cfg = compose_train(["dataset=digits", "recipe=cifar10"])
     assert cfg.dataset.name == "digits" and cfg.trainer.steps == 64000 and cfg.trainer.batch_size == 128
+
+
+def test_a_task_its_dataset_does_not_hold_is_named_as_the_task_not_the_data() -> None:
+    """``task=detection`` on the synthetic images: the line says the task trains detection while the data
+    is classification data (the dataset's schema knows what it holds), and names the dataset's own task."""
+    line = user_line(["task=detection"])
+    assert "task=detection trains detection but dataset=synthetic holds classification data" in line
+    assert "(task=classification)" in line and "\n" not in line.strip()

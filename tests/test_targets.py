@@ -99,7 +99,9 @@ class SmoothedTask(ClassificationTask):
         return loss, logits
 
 
-def test_a_users_own_task_trains_through_task_target(make_cfg: Callable[..., DictConfig]) -> None:
+def test_a_users_own_task_trains_through_task_target(
+    make_cfg: Callable[..., DictConfig], tmp_path: Path
+) -> None:
     """``task=custom task._target_=...``: the user's class is built with the model, the device and its
     argument from the command line, and its loss is the one trained; a class that is not a Task, and a task
     of another kind than the data, are one ConfigError line each."""
@@ -115,11 +117,18 @@ def test_a_users_own_task_trains_through_task_target(make_cfg: Callable[..., Dic
     }  # fmt: skip
     with pytest.raises(ConfigError, match="task._target_=test_targets.TinyNet is not a subclass of"):
         train(make_cfg("task=custom", "task._target_=test_targets.TinyNet", "task.name=tiny"))
+    # a bundled dataset's schema says what it holds: refused before anything is built
+    with pytest.raises(ConfigError, match="task=detection trains detection but dataset=synthetic holds"):
+        train(make_cfg("model=ssd300", "task=detection"))
+    # a dataset of the user's says it when built (DatasetInfo.task): refused before the model is built
+    users_data = ["dataset=custom", "dataset._target_=test_schemas.my_data", "dataset.name=mydata"]
+    cfg = compose_train([*users_data, "+dataset.size=16", "model=ssd300", "task=detection", "device=cpu"])
+    cfg.paths.output_dir = str(tmp_path / "users_data")
     with pytest.raises(
         ConfigError,
         match="holds classification data .* but task=detection trains detection: choose task=classification",
     ):
-        train(make_cfg("model=ssd300", "task=detection"))
+        train(cfg)
 
 
 @pytest.mark.parametrize(

@@ -702,9 +702,11 @@ class SSDConf(PartConf):
 class DatasetConf:
     """Every dataset: its builder (``_target_``, called with ``data_dir`` if it takes one, returning
     ``(train_set, test_set, info)``) and its ``name``, an argument (cifar10 and cifar100 share a builder).
-    A bundled builder takes every field of its schema and has no defaults of its own: they are here."""
+    A bundled builder takes every field of its schema and has no defaults of its own: they are here.
+    ``TASK``: the kind of data it holds (the task its config selects), None where it is the user's."""
 
     OPEN: ClassVar[bool] = False
+    TASK: ClassVar[str | None] = None
     _target_: str = MISSING
     name: str = MISSING
 
@@ -717,6 +719,7 @@ class CustomDatasetConf(DatasetConf):
 
 @dataclass
 class ImageDatasetConf(DatasetConf):
+    TASK: ClassVar[str | None] = "classification"
     num_classes: int | None = None  # null: the dataset's own (10 for CIFAR-10, ...)
     image_size: int | None = None  # null: the dataset's own
     mean: list[float] | None = None
@@ -778,6 +781,7 @@ class SyntheticConf(ImageDatasetConf):
 
 @dataclass
 class ShapesConf(DatasetConf):
+    TASK: ClassVar[str | None] = "detection"
     _target_: str = "adaloss.data.shapes.shapes"
     name: str = "shapes"
     num_classes: int = 3
@@ -798,6 +802,7 @@ class ShapesConf(DatasetConf):
 
 @dataclass
 class VOCConf(DatasetConf):
+    TASK: ClassVar[str | None] = "detection"
     _target_: str = "adaloss.data.voc.voc"
     name: str = "voc"
     num_classes: int = 20
@@ -819,6 +824,7 @@ class VOCConf(DatasetConf):
 
 @dataclass
 class TextDatasetConf(DatasetConf):
+    TASK: ClassVar[str | None] = "language_model"
     block_size: int = 128
     stride: int | None = 1
     val_windows: int | None = 256

@@ -335,6 +335,12 @@ def check_model_and_dataset(cfg: Any) -> None:
     name, bundled = bundled_model(cfg.model)
     model_kind = getattr(schema_of(bundled), "TASK", None) if bundled is not None else None
     data_kind = task_class(cfg.task).kind
+    held = getattr(schema_of(cfg.dataset), "TASK", None)  # what a bundled dataset holds
+    if held is not None and data_kind is not None and held != data_kind:
+        raise ConfigError(
+            f"task={cfg.task.name} trains {data_kind} but dataset={cfg.dataset.name} holds {held} data: "
+            f"leave the task to the dataset (task={held}) or choose a {data_kind} dataset"
+        )
     if model_kind is None or data_kind is None or model_kind == data_kind:
         return
     dataset = f"{cfg.dataset.name}"
