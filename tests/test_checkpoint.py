@@ -413,7 +413,7 @@ def _finish(proc: subprocess.Popen[str], timeout: float = 300) -> str:
 
 @pytest.mark.parametrize(
     "scaler",
-    # the dynamic scaler's run in make test-full (10 s): make test keeps the adaptive one, whose state is larger
+    # the dynamic run in make test-full (10 s): make test keeps the adaptive one, whose state is larger
     [pytest.param("dynamic", marks=pytest.mark.slow), "adaptive"],
 )
 def test_a_run_killed_part_way_and_resumed_ends_bitwise_identical(tmp_path: Path, scaler: str) -> None:

@@ -15,10 +15,12 @@ from torch import nn
 from adaloss.scalers import AdaptiveLossScaler, DynamicLossScaler, FixedLossScaler, NoLossScaler
 
 SCALERS = {
-    "none": lambda: NoLossScaler(),
-    "fixed": lambda: FixedLossScaler(scale=128.0),
-    "dynamic": lambda: DynamicLossScaler(init_scale=2.0**10, growth_interval=2),
-    "adaptive": lambda: AdaptiveLossScaler(update_every=2, init_scale=2.0**-10, growth_interval=2),
+    "none": lambda device: NoLossScaler(device),
+    "fixed": lambda device: FixedLossScaler(device, scale=128.0),
+    "dynamic": lambda device: DynamicLossScaler(device, init_scale=2.0**10, growth_interval=2),
+    "adaptive": lambda device: AdaptiveLossScaler(
+        device, update_every=2, init_scale=2.0**-10, growth_interval=2
+    ),
 }
 #: steps at which the test sets a new scale (``update(new_scale)``), beyond the scalers' own changes
 NEW_SCALE_AT = {4: 2.0**-12, 7: 2.0**-9}
@@ -32,19 +34,22 @@ def _model() -> nn.Module:
     )
 
 
-def _run(name: str, compiled: bool) -> tuple[list[float], list[int], list[torch.Tensor]]:
-    """Per step the root scale and Dynamo's count of unique graphs so far; the final weights."""
+def _run(
+    name: str, compiled: bool, device: str = "cpu", backend: str = "aot_eager"
+) -> tuple[list[float], list[int], list[torch.Tensor]]:
+    """Per step the root scale and Dynamo's count of unique graphs so far; the final weights.
+    (``tests/test_cuda.py`` runs it on a GPU with Inductor, the backend GPU users compile with.)"""
     dynamo.reset()
-    scaler = SCALERS[name]()
-    model = scaler.attach(_model())
-    forward = torch.compile(model, backend="aot_eager") if compiled else model
+    scaler = SCALERS[name](device)
+    model = scaler.attach(_model().to(device))
+    forward = torch.compile(model, backend=backend) if compiled else model
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(1)
     scales, graphs = [], []
     for step in range(STEPS):
-        x, y = torch.randn(32, 16, generator=g), torch.randint(0, 4, (32,), generator=g)
+        x, y = torch.randn(32, 16, generator=g).to(device), torch.randint(0, 4, (32,), generator=g).to(device)
         opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.float16):
+        with torch.autocast(device, dtype=torch.float16):
             loss = nn.functional.cross_entropy(forward(x), y)
         scaler.scale(loss).backward()
         scaler.step(opt)

@@ -49,6 +49,26 @@ def test_no_host_sync_in_forward_backward_and_unscale(name: str, dtype: torch.dt
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_autocast_gradients_are_close_to_fp32(dtype: torch.dtype) -> None:
     result = compare_gradients("cuda", dtype)
-    # measured on the CPU at batch 8: FP16 min 0.995, median 0.998; BF16 min 0.924, median 0.979
-    assert result["min_cosine"] > (0.99 if dtype is torch.float16 else 0.9), result
+    # as close to FP32 as plain autocast at a fixed scale on the same batch (the scaler adds no error)
+    assert result["min_cosine"] >= result["baseline_min_cosine"] - 1e-3, result
+    assert result["median_cosine"] >= result["baseline_median_cosine"] - 1e-4, result
+    # and close in absolute terms. Plain autocast's own floor, against FP32 with TF32 off: on the CPU at
+    # batch 8, FP16 min 0.995 and median 0.998, BF16 min 0.924 and median 0.979; on an H200 at batch 32
+    # (make gpu-check, 2026-11-26), FP16 min 0.9855 (layer1.0.bn1.weight) and median 0.9978 at a fixed
+    # scale and with the adaptive scaler alike, BF16 min 0.9545 and median 0.9843
+    assert result["min_cosine"] > (0.98 if dtype is torch.float16 else 0.9), result
     assert result["median_cosine"] > (0.995 if dtype is torch.float16 else 0.95), result
+
+
+@pytest.mark.parametrize("name", ["none", "fixed", "dynamic", "adaptive"])
+def test_an_inductor_compiled_model_trains_as_the_eager_one_without_recompiling(name: str) -> None:
+    """``tests/test_compile.py``'s run on the GPU with Inductor (Triton kernels): the same scales step by
+    step, weights equal to rounding (fused kernels round differently), no graph built after step 2."""
+    from test_compile import _run
+
+    eager_scales, _, eager_weights = _run(name, compiled=False, device="cuda")
+    scales, graphs, weights = _run(name, compiled=True, device="cuda", backend="inductor")
+    assert scales == eager_scales
+    for got, want in zip(weights, eager_weights, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4)
+    assert graphs[1] > 0 and graphs[-1] == graphs[1], graphs

@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import statistics
 import subprocess
 import sys
 import time
+import traceback
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,7 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["compare_gradients", "main", "step_ratios", "time_steps"]
+from adaloss.provenance import git_state
+
+__all__ = ["collect", "compare_gradients", "failed", "main", "step_ratios", "time_steps"]
 
 ROOT = Path(__file__).resolve().parents[2]
 CUDA_TESTS = ["tests/test_cuda.py", "tests/test_gpu_path.py"]
@@ -43,6 +48,8 @@ CONFIGS = {
     "adaptive_u1": ("AdaptiveLossScaler", {"update_every": 1}),
     "adaptive_u100": ("AdaptiveLossScaler", {"update_every": 100}),
 }
+#: the timed models and their batch sizes (issue 22: the ResNets at batch 128, the tiny GPT)
+TIMING = {"resnet20": 128, "resnet110": 128, "gpt": 64}
 
 
 def _model(name: str, device: str) -> tuple[nn.Module, Callable[[int], tuple[torch.Tensor, torch.Tensor]]]:
@@ -130,7 +137,28 @@ def time_steps(
                 if round_ > 0:
                     times[key]["step"].append(ms)
                     times[key]["recompute" if recompute else "reuse"].append(ms)
-    return {k: {kind: statistics.median(v) for kind, v in t.items() if v} for k, t in times.items()}
+    ms = {k: {kind: statistics.median(v) for kind, v in t.items() if v} for k, t in times.items()}
+    if device.startswith("cuda"):
+        for key, run in runs.items():
+            ms[key]["kernel_reuse"] = _kernel_ms(run, batch, device, dtype, recompute=False)
+            if key == "adaptive_u100":
+                ms[key]["kernel_recompute"] = _kernel_ms(run, batch, device, dtype, recompute=True)
+    return ms
+
+
+def _kernel_ms(
+    run: tuple, batch: int, device: str, dtype: torch.dtype, recompute: bool, steps: int = 3
+) -> float:
+    """Milliseconds per step the GPU spends running kernels and copies (the profiler's device time): the
+    step's cost once the host keeps ahead of the GPU, without the launch gaps a host-bound step has."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with warnings.catch_warnings():  # the profiler's note that it keeps one cycle's events (we use one)
+        warnings.filterwarnings("ignore", message=".*Profiler clears events")
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                _timed_step(run, batch, device, dtype, recompute)
+    return sum(e.self_device_time_total for e in prof.key_averages()) / steps / 1e3
 
 
 def _timed_step(run: tuple, batch: int, device: str, dtype: torch.dtype, recompute: bool) -> float:
@@ -151,118 +179,201 @@ def _timed_step(run: tuple, batch: int, device: str, dtype: torch.dtype, recompu
 
 def step_ratios(ms: dict[str, dict[str, float]]) -> dict[str, float]:
     """Issue 22's ratios from :func:`time_steps`: update_every=1 / dynamic, and update_every=100 amortized
-    (one recompute and 99 reuse steps) / dynamic."""
+    (one recompute and 99 reuse steps) / dynamic; on a GPU also both in kernel time (``kernel_*``).
+    (``adaptive_u1``'s every step recomputes, so its ``kernel_reuse`` is a recompute step's.)"""
     dynamic = ms["dynamic"]["step"]
     u100 = ms["adaptive_u100"]
-    return {
+    ratios = {
         "adaptive_u1_over_dynamic": ms["adaptive_u1"]["step"] / dynamic,
         "adaptive_u100_over_dynamic": (u100["recompute"] + 99 * u100["reuse"]) / (100 * dynamic),
     }
+    if "kernel_reuse" in ms["dynamic"]:  # on a GPU: the same ratios in kernel time
+        kernel = ms["dynamic"]["kernel_reuse"]
+        ratios["kernel_u1_over_dynamic"] = ms["adaptive_u1"]["kernel_reuse"] / kernel
+        ratios["kernel_u100_over_dynamic"] = (u100["kernel_recompute"] + 99 * u100["kernel_reuse"]) / (
+            100 * kernel
+        )
+    return ratios
 
 
-def compare_gradients(device: str, dtype: torch.dtype, batch: int = 32) -> dict[str, float]:
-    """One batch of ResNet-20 under autocast ``dtype`` with the adaptive scaler, against FP32 without
-    scaling: the smallest and the median cosine similarity of a parameter's (unscaled) gradient with its
-    FP32 gradient, and where the smallest is. Measured on the CPU at batch 8: FP16 0.995 smallest, BF16
-    0.924 smallest and 0.979 median (its 8-bit significand)."""
-    from adaloss.scalers import AdaptiveLossScaler
+def compare_gradients(device: str, dtype: torch.dtype, batch: int = 32) -> dict[str, Any]:
+    """One batch of ResNet-20 under autocast ``dtype``, against true FP32 (TF32 off) without scaling: the
+    smallest and the median cosine similarity of a parameter's (unscaled) gradient with its FP32
+    gradient, and where the smallest is, for the adaptive scaler and, as the baseline it must match, a
+    fixed loss scale of 1024 (plain autocast as GradScaler runs it). Measured on the CPU at batch 8:
+    FP16 0.995 smallest, BF16 0.924 smallest and 0.979 median (its 8-bit significand)."""
+    from adaloss.scalers import AdaptiveLossScaler, FixedLossScaler
 
     torch.manual_seed(0)
     reference, make = _model("resnet20", device)
     x, y = make(batch)
     state = {k: v.clone() for k, v in reference.state_dict().items()}
-    _loss(reference(x), y).backward()
-    model, _ = _model("resnet20", device)
-    model.load_state_dict(state)
-    scaler = AdaptiveLossScaler(device, update_every=1)
+    with _no_tf32():
+        _loss(reference(x), y).backward()
+    want = {name: p.grad for name, p in reference.named_parameters() if p.grad.abs().max() > 0}
+    result: dict[str, Any] = {}
+    for key, scaler in (
+        ("", AdaptiveLossScaler(device, update_every=1)),
+        ("baseline_", FixedLossScaler(device, scale=1024.0)),
+    ):
+        model, _ = _model("resnet20", device)
+        model.load_state_dict(state)
+        got = _autocast_grads(scaler, model, x, y, device, dtype)
+        cosines = {
+            name: F.cosine_similarity(got[name].flatten().double(), g.flatten().double(), dim=0).item()
+            for name, g in want.items()
+        }
+        where = min(cosines, key=cosines.get)
+        result |= {
+            f"{key}min_cosine": cosines[where],
+            f"{key}median_cosine": statistics.median(cosines.values()),
+            f"{key}where": where,
+        }
+    return result
+
+
+class _no_tf32:
+    """FP32 matrix products and convolutions in full FP32 on the GPU (TF32 off) inside the block."""
+
+    def __enter__(self) -> None:
+        self.saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = self.saved
+
+
+def _autocast_grads(scaler: Any, model: nn.Module, x, y, device: str, dtype: torch.dtype) -> dict:
+    """The unscaled parameter gradients of one batch under autocast ``dtype`` with ``scaler``."""
     attached = scaler.attach(model)
     with torch.autocast(device.split(":")[0], dtype=dtype):
         loss = _loss(attached(x), y)
     scaler.scale(loss).backward()
-    opt = torch.optim.SGD(attached.parameters(), lr=0.0)
-    scaler.unscale_(opt)
-    grads = dict(attached.named_parameters())
-    cosines = {
-        name: F.cosine_similarity(
-            grads[name].grad.flatten().double(), p.grad.flatten().double(), dim=0
-        ).item()
-        for name, p in reference.named_parameters()
-        if p.grad.abs().max() > 0
-    }
-    where = min(cosines, key=cosines.get)
-    return {
-        "min_cosine": cosines[where],
-        "median_cosine": statistics.median(cosines.values()),
-        "where": where,
-    }
+    scaler.unscale_(torch.optim.SGD(attached.parameters(), lr=0.0))
+    return {name: p.grad for name, p in attached.named_parameters()}
 
 
-def _run_tests() -> dict[str, Any]:
-    """The CUDA tests, in a pytest subprocess: its exit status and closing line."""
+def _run_tests(log: Path) -> dict[str, Any]:
+    """The CUDA tests, in a pytest subprocess: its exit status and closing line; pytest's whole output goes
+    to ``log``, and on a failure to the terminal as well."""
     try:
         import pytest  # noqa: F401
     except ImportError:
         return {"status": "not run", "line": "pytest is not installed: pip install pytest"}
+    pythonpath = os.environ.get("PYTHONPATH")  # the tests import adaloss from this checkout, installed or not
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *CUDA_TESTS],
         cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), pythonpath]))},
         capture_output=True,
         text=True,
         timeout=300,
     )
+    log.write_text(done.stdout + done.stderr)
+    if done.returncode != 0:
+        print(done.stdout + done.stderr, file=sys.stderr)
     lines = [line for line in done.stdout.strip().splitlines() if line.strip()]
-    return {"status": "passed" if done.returncode == 0 else "failed", "line": lines[-1] if lines else ""}
+    return {
+        "status": "passed" if done.returncode == 0 else "failed",
+        "line": lines[-1] if lines else "",
+        "log": log.name,
+    }
+
+
+def _guarded(part: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, or ``{"error": ...}`` with the traceback on stderr: one broken part of the check
+    (an API the installed torch lacks, say) leaves the others measured and recorded."""
+    try:
+        return fn(*args)
+    except Exception as exc:  # noqa: BLE001 - recorded in the report, and main() exits 1
+        traceback.print_exc()
+        print(f"gpu-check: {part} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def _timing(model: str, batch: int, device: str) -> dict[str, Any]:
+    ms = time_steps(model, batch, device)
+    return {"batch": batch, "ms": ms, "ratios": step_ratios(ms)}
+
+
+def collect(device: str, gpu: str, out_dir: Path, timing: dict[str, int] | None = None) -> dict[str, Any]:
+    """Every part of the check on ``device``, each recorded even when another fails: the CUDA tests
+    (their log in ``out_dir``), the FP16/BF16 gradient comparison, and the step times of ``timing``'s
+    models at its batch sizes."""
+    timing = TIMING if timing is None else timing
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", gpu)
+    return {
+        "machine": {"gpu": gpu, "torch": torch.__version__, "cuda": torch.version.cuda},
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "code": git_state(ROOT),  # the commit measured (None outside a git checkout: stamp it then)
+        "tests": _guarded("the CUDA tests", _run_tests, out_dir / f"{slug}-tests.log"),
+        "gradients": {
+            name: _guarded(f"the {name} gradient comparison", compare_gradients, device, dtype)
+            for name, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16))
+        },
+        "timing": {m: _guarded(f"{m}'s step times", _timing, m, b, device) for m, b in timing.items()},
+    }
+
+
+def failed(report: dict[str, Any]) -> bool:
+    """Whether a test failed or a part of the check raised."""
+    parts = [report["tests"], *report["gradients"].values(), *report["timing"].values()]
+    return report["tests"].get("status") == "failed" or any("error" in p for p in parts)
 
 
 def _table(report: dict[str, Any]) -> str:
     rows = [f"gpu-check on {report['machine']['gpu']} (torch {report['machine']['torch']}):"]
-    rows.append(f"  CUDA tests: {report['tests']['status']} ({report['tests']['line']})")
+    tests = report["tests"]
+    rows.append(f"  CUDA tests: {tests.get('status', 'error')} ({tests.get('line', tests.get('error'))})")
     for prec, g in report["gradients"].items():
         rows.append(
-            f"  {prec} autocast vs FP32 gradients: cosine min {g['min_cosine']:.5f} ({g['where']}), "
-            f"median {g['median_cosine']:.5f}"
+            f"  {prec} autocast vs FP32 gradients: error: {g['error']}"
+            if "error" in g
+            else f"  {prec} autocast vs FP32 gradients: cosine min {g['min_cosine']:.5f} ({g['where']}), "
+            f"median {g['median_cosine']:.5f}; a fixed scale of 1024: min {g['baseline_min_cosine']:.5f} "
+            f"({g['baseline_where']}), median {g['baseline_median_cosine']:.5f}"
         )
     rows.append(
         "  | model | adaptive u=1 / dynamic | adaptive u=100 / dynamic (amortized) | dynamic ms/step |"
+        " kernel time: u=1 / dynamic | kernel time: u=100 / dynamic | dynamic kernel ms/step |"
     )
-    rows.append("  |---|---|---|---|")
+    rows.append("  |---|---|---|---|---|---|---|")
     for model, entry in report["timing"].items():
+        if "error" in entry:
+            rows.append(f"  | {model} | error: {entry['error']} | | |")
+            continue
         r = entry["ratios"]
+        kernel = entry["ms"]["dynamic"].get("kernel_reuse")
         rows.append(
             f"  | {model} | {r['adaptive_u1_over_dynamic']:.3f}x | {r['adaptive_u100_over_dynamic']:.3f}x "
-            f"| {entry['ms']['dynamic']['step']:.2f} |"
+            f"| {entry['ms']['dynamic']['step']:.2f} | "
+            + (
+                f"{r['kernel_u1_over_dynamic']:.3f}x | {r['kernel_u100_over_dynamic']:.3f}x | {kernel:.2f} |"
+                if kernel is not None
+                else "| | |"
+            )
         )
     return "\n".join(rows)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the checks on ``cuda:0``; write ``results/gpu/<gpu name>.json``; print the table."""
+    """Run the checks on ``cuda:0``; write ``results/gpu/<gpu name>.json``; print the table. Exit 1 when a
+    test failed or a part of the check raised (the other parts are still measured and written)."""
     if not torch.cuda.is_available():
         print(
             f"gpu-check: no CUDA device here (torch {torch.__version__}, CUDA build "
             f"{torch.version.cuda or 'none'}); nothing to check: run it on a machine with an NVIDIA GPU"
         )
         return 0
-    device, gpu = "cuda", torch.cuda.get_device_name(0)
-    report: dict[str, Any] = {
-        "machine": {"gpu": gpu, "torch": torch.__version__, "cuda": torch.version.cuda},
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "tests": _run_tests(),
-        "gradients": {
-            name: compare_gradients(device, dtype)
-            for name, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16))
-        },
-        "timing": {},
-    }
-    for model, batch in (("resnet20", 128), ("resnet110", 128), ("gpt", 64)):
-        ms = time_steps(model, batch, device)
-        report["timing"][model] = {"batch": batch, "ms": ms, "ratios": step_ratios(ms)}
-    out = ROOT / "results" / "gpu" / (re.sub(r"[^A-Za-z0-9._-]+", "_", gpu) + ".json")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    gpu = torch.cuda.get_device_name(0)
+    out_dir = ROOT / "results" / "gpu"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report = collect("cuda", gpu, out_dir)
+    out = out_dir / (re.sub(r"[^A-Za-z0-9._-]+", "_", gpu) + ".json")
     out.write_text(json.dumps(report, indent=2, allow_nan=False, default=_finite))
     print(_table(report))
     print(f"written: {out}")
-    return 0 if report["tests"]["status"] != "failed" else 1
+    return 1 if failed(report) else 0
 
 
 def _finite(value: Any) -> Any:

@@ -58,6 +58,7 @@ from adaloss.adaptive.rules import (
 from adaloss.numerics.emulation import active_emulation, is_low_precision, mark_low_precision
 from adaloss.numerics.formats import round_to_format
 from adaloss.numerics.quantizers import quantize_grad
+from adaloss.utils.device import host_to_device
 
 __all__ = [
     "AdaptiveState",
@@ -378,11 +379,12 @@ class AdaptiveState:
         factor = cache.get(slot)
         if factor is None:
             alpha, root = self.read_alpha(slot, where), self.current.alpha[0]
-            if isinstance(root, float) and isinstance(alpha, float):
+            if not isinstance(alpha, torch.Tensor):
                 factor = root / alpha
+            elif isinstance(root, float):  # a fill on alpha's device, not a host-to-device copy
+                factor = alpha.new_full((), root) / alpha
             else:
-                device = alpha.device if isinstance(alpha, torch.Tensor) else None
-                factor = torch.as_tensor(root).to(device) / alpha
+                factor = root.to(alpha.device) / alpha
             cache[slot] = factor
         return factor
 
@@ -469,7 +471,7 @@ class LayerConstants:
                 if len(tables) >= 4:  # a few batch geometries at most (e.g. a last partial batch)
                     tables.pop(next(iter(tables)))
                 rows = [self._row(i) for i in range(len(self.points))]
-                tables[sizes] = torch.tensor(rows, dtype=key[1], device=key[0]).reshape(-1, 4)
+                tables[sizes] = host_to_device(rows, key[1], key[0]).reshape(-1, 4)
             self._table[key] = tables[sizes]
             if key not in self._one:
                 self._one[key] = torch.ones((), dtype=key[1], device=key[0])

@@ -56,6 +56,8 @@ from dataclasses import dataclass
 
 import torch
 
+from adaloss.utils.device import host_to_device
+
 __all__ = [
     "RULES",
     "ScaleRule",
@@ -185,8 +187,9 @@ class ScaleRule:
 @functools.lru_cache(maxsize=8)
 def _low(dtype: torch.dtype, device: str) -> torch.Tensor:
     """``[1, 0, 0, 0, 0]``: the reference rule's ``max(q0, 1)`` as one elementwise maximum. Made once per
-    device and dtype (a host-to-device copy the first time: the scaler makes it when it is armed)."""
-    return torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0], dtype=dtype, device=device)
+    device and dtype (a host-to-device copy the first time, queued without a sync: the scaler makes it when
+    it is armed)."""
+    return host_to_device([1.0, 0.0, 0.0, 0.0, 0.0], dtype, device)
 
 
 def _low_like(q: torch.Tensor) -> torch.Tensor:

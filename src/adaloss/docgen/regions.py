@@ -154,6 +154,54 @@ def bench(root: Path) -> str:
     return "\n\n".join(sections)
 
 
+def gpu_check(root: Path) -> str:
+    """A section per ``make gpu-check`` result in ``results/gpu/*.json``: the machine and the commit, the
+    CUDA tests, the gradient comparison, and the step-time ratios in wall time and in kernel time."""
+    files = sorted((root / "results" / "gpu").glob("*.json"))
+    if not files:
+        return "No `make gpu-check` result is committed yet: run it on a machine with a CUDA GPU."
+    return "\n\n".join(_gpu_section(path, root) for path in files)
+
+
+def _gpu_section(path: Path, root: Path) -> str:
+    data = json.loads(path.read_text(encoding="utf-8"))
+    machine, record, tests = data["machine"], data.get("record") or {}, data["tests"]
+    commit = record.get("commit") or (data.get("code") or {}).get("git_commit") or "not recorded"
+    rows = [
+        f"### `{path.relative_to(root).as_posix()}`",
+        "",
+        "| GPU | torch | CUDA | commit | date | command |",
+        "| --- | --- | --- | --- | --- | --- |",
+        f"| {machine['gpu']} | {machine['torch']} | {machine['cuda']} | {commit} | {data['date']} "
+        f"| `{record.get('command', 'make gpu-check')}` |",
+        "",
+        f"CUDA tests: {tests.get('status')} ({tests.get('line', tests.get('error'))}).",
+        "",
+        "| autocast | adaptive: smallest cosine with FP32 | median | fixed scale 1024: smallest | median |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for prec, g in data["gradients"].items():
+        rows.append(
+            f"| {prec.upper()} | {g['min_cosine']:.4f} (`{g['where']}`) | {g['median_cosine']:.4f} "
+            f"| {g['baseline_min_cosine']:.4f} (`{g['baseline_where']}`) "
+            f"| {g['baseline_median_cosine']:.4f} |"
+        )
+    rows += [
+        "",
+        "| model | batch | dynamic ms/step | u=1 / dynamic | u=100 / dynamic (amortized) "
+        "| dynamic kernel ms/step | kernel time: u=1 / dynamic | kernel time: u=100 / dynamic |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for model, t in data["timing"].items():
+        r, dyn = t["ratios"], t["ms"]["dynamic"]
+        rows.append(
+            f"| {model} | {t['batch']} | {dyn['step']:.2f} | {r['adaptive_u1_over_dynamic']:.3f}x "
+            f"| {r['adaptive_u100_over_dynamic']:.3f}x | {dyn['kernel_reuse']:.2f} "
+            f"| {r['kernel_u1_over_dynamic']:.3f}x | {r['kernel_u100_over_dynamic']:.3f}x |"
+        )
+    return "\n".join(rows)
+
+
 #: region name -> what renders it. A page may hold any of them; every one must appear on some page.
 REGIONS: dict[str, Callable[[Path], str]] = {
     "mini-tables": mini_tables,
@@ -166,4 +214,5 @@ REGIONS: dict[str, Callable[[Path], str]] = {
     "underflow-table": underflow_table,
     "attention-betas": attention_betas,
     "bench": bench,
+    "gpu-check": gpu_check,
 }
