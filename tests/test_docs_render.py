@@ -114,6 +114,25 @@ def test_every_measurement_of_record_is_stamped() -> None:
         assert f"`results/bench/{path.name}`" in page and record["commit"] in page
 
 
+def test_every_gpu_check_result_is_on_the_performance_page_with_its_commit() -> None:
+    """Each committed ``results/gpu/*.json`` (``make gpu-check``) is stamped and rendered: its GPU, torch,
+    commit and every model's ratios, wall and kernel time, appear on the performance page."""
+    page = (ROOT / "docs" / "performance.md").read_text(encoding="utf-8")
+    for path in sorted((ROOT / "results" / "gpu").glob("*.json")):
+        data = json.loads(path.read_text(encoding="utf-8"))
+        record = data.get("record") or {}
+        assert record.get("commit"), f"{path.name} is not stamped: see docs/performance.md"
+        assert f"`results/gpu/{path.name}`" in page and record["commit"] in page
+        assert f"| {data['machine']['gpu']} | {data['machine']['torch']} |" in page
+        for model, t in data["timing"].items():
+            r = t["ratios"]
+            assert f"| {model} | {t['batch']} |" in page
+            assert (
+                f"| {r['adaptive_u1_over_dynamic']:.3f}x | {r['adaptive_u100_over_dynamic']:.3f}x |" in page
+            )
+            assert f"| {r['kernel_u1_over_dynamic']:.3f}x | {r['kernel_u100_over_dynamic']:.3f}x |" in page
+
+
 def test_stamp_records_the_commit_and_command(tmp_path: Path) -> None:
     path = tmp_path / "bench.json"
     path.write_text(json.dumps({"machine": {}, "table_markdown": "x"}))
