@@ -13,7 +13,7 @@ help: ## list the targets
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	@# the torch and torchvision builds CI tests (from the machines' disk); the package itself takes torch>=2.13
+	@# the torch and torchvision builds CI tests (from the machines' disk); the package itself takes torch>=2.11
 	$(PY) -m pip install --quiet torch==2.14.1 torchvision==0.29.1
 	$(PY) -m pip install --quiet -e '.[test]'
 	@# the docs extra (make docs) from PyPI; without it everything else still works and the site tests skip

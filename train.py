@@ -176,7 +176,7 @@ def _no_torchvision() -> str:
     return (
         "torchvision is not installed, and training needs it (datasets, transforms, SSD): install the "
         f"release made for your torch {torch.__version__} (torch 2.14 takes torchvision 0.29, 2.13 takes "
-        "0.28), or pip install -e '.[vision]'"
+        "0.28, 2.11 takes 0.26), or pip install -e '.[vision]'"
     )
 
 
