@@ -433,3 +433,12 @@ def test_a_copied_bench_script_writes_into_its_own_checkout(tmp_path: Path, monk
     monkeypatch.setattr(cli, "_run", lambda args: {"out": args.out})  # the paths only: nothing is timed
     assert module.main(["--quick"])["out"] == str(tmp_path / "results" / "bench" / "bench.json")
     assert module.main(["--gpt", "only"])["out"] == str(tmp_path / "results" / "bench" / "gpt.json")
+
+
+def test_the_host_bound_bench_prints_the_ratios_to_dynamic(capsys) -> None:
+    from adaloss.bench import hostbound
+
+    assert hostbound.main(["--rounds", "1"]) == 0
+    rows = capsys.readouterr().out.splitlines()[2:]
+    assert [row.split(" | ")[0] for row in rows] == ["| dynamic", "| adaptive_u1", "| adaptive_u100"]
+    assert rows[0].endswith("| 1.000x |")

@@ -766,26 +766,30 @@ def _alias(y: torch.Tensor) -> torch.Tensor:
 
 
 class ParamUnscale(torch.autograd.Function):
-    """Identity on a parameter for one of its uses outside a GEMM point (:class:`UnscalePoint`: a tied
-    embedding, a batch norm's affine parameters); the backward pass multiplies the gradient of that use by
-    ``alpha_{N+1} / alpha``, in the parameter's own dtype, so it joins the other contributions in ``.grad``
-    at the root scale, as every parameter gradient leaves the backward pass. Cost: one pass over that
-    gradient (none when the factor is a host 1); no host sync."""
+    """Identity on the parameters of one use outside a GEMM point (:class:`UnscalePoint`: a batch norm's
+    affine parameters, a tied embedding), one point per parameter; the backward pass multiplies each
+    parameter's gradient from that use by ``alpha_{N+1} / alpha`` of its point, in the parameter's own
+    dtype, so it joins the other contributions in ``.grad`` at the root scale, as every parameter gradient
+    leaves the backward pass. One node for all the parameters of a call (a batch norm's weight and bias
+    together). Cost: one pass over each gradient (none when the factor is a host 1); no host sync."""
 
     @staticmethod
-    def forward(ctx, p, point: UnscalePoint, state: AdaptiveState):  # type: ignore[override]
-        ctx.point, ctx.state = point, state
+    def forward(ctx, points: tuple[UnscalePoint, ...], state: AdaptiveState, *params):  # type: ignore[override]
+        ctx.points, ctx.state = points, state
+        ctx.set_materialize_grads(False)  # a parameter without a gradient from this use gets None, not zeros
         with torch._C.DisableTorchFunction():
-            return p.view_as(p)
+            return tuple(p.view_as(p) for p in params)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        state = ctx.state
-        factor = state.root_over(ctx.point.in_slot, ctx.point.name)
+    def backward(ctx, *grads):  # type: ignore[override]
+        state, out = ctx.state, [None, None]
         with torch._C.DisableTorchFunction():
-            if not _is_one(factor):
-                grad = grad * (factor if isinstance(factor, float) else factor.to(grad.dtype))
-        return grad, None, None
+            for point, grad in zip(ctx.points, grads, strict=True):
+                factor = state.root_over(point.in_slot, point.name) if grad is not None else 1.0
+                if not _is_one(factor):
+                    grad = grad * (factor if isinstance(factor, float) else factor.to(grad.dtype))
+                out.append(grad)
+        return tuple(out)
 
 
 class GradProbe(torch.autograd.Function):

@@ -185,7 +185,7 @@ class ParamUnscaleModule(nn.Module):
         object.__setattr__(self, "state", state)
 
     def forward(self, p: torch.Tensor) -> torch.Tensor:
-        return ParamUnscale.apply(p, self.point, self.state)
+        return ParamUnscale.apply((self.point,), self.state, p)[0]
 
     def extra_repr(self) -> str:
         return f"{self.point.name}, unscaled by its own alpha"
@@ -214,18 +214,21 @@ class UnscaledParams(nn.Module):
         self.calls: list[list[UnscalePoint]] = []  # per call of the module, one point per shared parameter
 
     def forward(self, *args: Any, _adaloss_call: int = 0, **kwargs: Any) -> Any:
-        owners = [self.module.get_submodule(name.rpartition(".")[0]) for name in self.shared]
+        split = [name.rpartition(".") for name in self.shared]
+        owners = [self.module.get_submodule(path) if path else self.module for path, _, _ in split]
+        leaves = [leaf for _, _, leaf in split]
         saved = [owner._parameters for owner in owners]
+        params = [owner._parameters[leaf] for owner, leaf in zip(owners, leaves, strict=True)]
+        views = ParamUnscale.apply(tuple(self.calls[_adaloss_call]), self.state, *params)
         try:
-            for owner, name, point in zip(owners, self.shared, self.calls[_adaloss_call], strict=True):
-                leaf = name.rpartition(".")[2]
-                p = owner._parameters[leaf]
-                # a copy of the owner's parameter table with this call's view in it, restored below
-                owner._parameters = {**owner._parameters, leaf: ParamUnscale.apply(p, point, self.state)}
+            for owner, leaf, view in zip(owners, leaves, views, strict=True):
+                # a copy of the owner's parameter table with this call's view in it, restored below (set
+                # past nn.Module.__setattr__, whose checks cost more than the swap: the value is a dict)
+                object.__setattr__(owner, "_parameters", {**owner._parameters, leaf: view})
             return self.module(*args, **kwargs)
         finally:
             for owner, table in zip(owners, saved, strict=True):
-                owner._parameters = table
+                object.__setattr__(owner, "_parameters", table)
 
     def extra_repr(self) -> str:
         return f"{type(self.module).__name__}, {', '.join(self.shared)} unscaled per call"
