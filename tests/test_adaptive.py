@@ -809,3 +809,45 @@ def test_beta_scales_the_gradient_not_the_weight():
         # The last layer's own weight gradient is computed at alpha = 1, i.e. in FP16's subnormals (measured
         # cosine 0.952); the layers below receive beta * delta and get FP32's gradients (cosine > 0.9999).
         assert cos > (0.9 if name.startswith("4.") else 0.999), (name, cos)
+
+
+def test_a_batch_norm_with_its_weight_frozen_and_its_bias_trained_gets_exact_gradients():
+    """A module's parameters share one unscaling node per call; one of them frozen: the others' unscaled
+    gradients equal plain backprop's in float64, the frozen one gets none, and its module is not asked
+    for one (the view it sees needs no gradient)."""
+    factory, shape, loss_factor = EXACTNESS_CASES["resnet110"]  # small gradients: distinct alphas
+    torch.manual_seed(0)
+    ref = factory().double()
+    for m in ref.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.weight.requires_grad_(False)
+    model = copy.deepcopy(ref)
+    x, y = torch.randn(*shape, dtype=torch.float64), torch.randint(0, 10, (shape[0],))
+    (nn.functional.cross_entropy(ref(x), y) * loss_factor).backward()
+    scaler = AdaptiveLossScaler(update_every=2)
+    attached = scaler.attach(model)
+    opt = torch.optim.SGD([p for p in attached.parameters() if p.requires_grad], lr=0.0)
+    seen = []
+
+    def record(module, args):
+        if isinstance(module, nn.BatchNorm2d):
+            seen.append(module.weight.requires_grad)
+
+    for _ in range(2):  # a recompute pass and a reuse pass
+        hook = nn.modules.module.register_module_forward_pre_hook(record)
+        try:
+            loss = nn.functional.cross_entropy(attached(x), y) * loss_factor
+        finally:
+            hook.remove()
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        for (name, p), q in zip(attached.named_parameters(), ref.parameters(), strict=True):
+            if q.requires_grad:
+                assert ((p.grad - q.grad).abs().max() / q.grad.abs().max()).item() <= 1e-10, name
+            else:
+                assert p.grad is None, name
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+    assert seen and not any(seen)
+    assert len(set(scaler.layer_scales().values())) > 1  # the unscaling factors were not all 1

@@ -3,14 +3,17 @@
 1. The CUDA tests (``tests/test_cuda.py``, and the CUDA cases of ``tests/test_gpu_path.py``): a training step
    of every scaler under ``torch.cuda.set_sync_debug_mode("error")``, and autocast FP16/BF16 gradients
    against FP32's.
-2. The same gradient comparison, recorded: per precision, the smallest cosine similarity between a
-   parameter's autocast gradient (adaptive scaler, unscaled) and its FP32 gradient on one batch.
+2. The same gradient comparison, recorded: per precision, the smallest and the median cosine similarity
+   between a parameter's autocast gradient (unscaled) and its FP32 gradient (TF32 off) on one batch, for
+   the adaptive scaler and for plain autocast at a fixed scale, the baseline it must match.
 3. Step times measured with CUDA events: the adaptive scaler at ``update_every`` 1 and 100 against the
    dynamic scaler, on ResNet-20 and ResNet-110 at batch 128 (CIFAR-sized synthetic images) and on the tiny
    GPT (``configs/model/gpt.yaml``'s sizes, random tokens), interleaved in rounds so that a change in the
-   GPU's clock hits every configuration alike.
+   GPU's clock hits every configuration alike; and the same steps' kernel time (``torch.profiler``), which
+   a host-bound step's wall time hides.
 
-It writes ``results/gpu/<gpu name>.json`` and prints a table. It runs on the torch already installed
+Each part is recorded even when another raises. It writes ``results/gpu/<gpu name>.json`` (with pytest's
+log beside it) and prints a table. It runs on the torch already installed
 (a CUDA build older than the one CI pins, 2.11 say): ``make gpu-check`` does not install or replace torch.
 Without CUDA it prints one line saying so and exits 0. The functions take a ``device``, so the tests run
 them on the CPU (with host timers instead of CUDA events).

@@ -778,7 +778,10 @@ class ParamUnscale(torch.autograd.Function):
         ctx.points, ctx.state = points, state
         ctx.set_materialize_grads(False)  # a parameter without a gradient from this use gets None, not zeros
         with torch._C.DisableTorchFunction():
-            return tuple(p.view_as(p) for p in params)
+            views = tuple(p.view_as(p) for p in params)
+        # a frozen parameter's view needs no gradient either (else its module would compute one)
+        ctx.mark_non_differentiable(*(v for v, p in zip(views, params, strict=True) if not p.requires_grad))
+        return views
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
