@@ -387,7 +387,8 @@ DIGITS = ("dataset=digits", "trainer.max_steps=100", "trainer.eval_every=1000")
     ("precision", "scaler"),
     [
         pytest.param("fp32", "none", marks=pytest.mark.slow),  # the control: make test-full runs it
-        ("fp16", "none"),
+        # the run that must lose: make test-full (30 s); make test keeps the same claim on the MLP above
+        pytest.param("fp16", "none", marks=pytest.mark.slow),
         ("fp16", "dynamic"),
     ],
     ids=["fp32", "fp16-none", "fp16-dynamic"],
