@@ -8,7 +8,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # runs without installing adaloss
 
-from adaloss.gpucheck import main  # noqa: E402
+try:
+    import torch  # noqa: F401
+
+    from adaloss.gpucheck import main
+except ImportError as exc:  # the python make chose (GPU_PYTHON) lacks torch or this project's dependencies
+    needs = "the python of your CUDA torch: make gpu-check GPU_PYTHON=/path/to/it"
+    if getattr(exc, "name", None) != "torch":
+        needs = (
+            "hydra-core, omegaconf and antlr4-python3-runtime beside torch: pip install -e . (it keeps the "
+            "installed torch), or put their wheels on PYTHONPATH (docs/performance.md)"
+        )
+    missing = getattr(exc, "name", None) or exc
+    sys.exit(f"error: gpu-check: {sys.executable} cannot import {missing}; it needs {needs}")
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -65,3 +65,16 @@ def test_a_part_that_raises_is_recorded_and_the_others_still_measured(monkeypatc
     assert gpucheck.failed(report)
     assert "fp16 autocast vs FP32 gradients: error: AttributeError" in gpucheck._table(report)
     assert "something_new" in capsys.readouterr().err
+
+
+def test_a_python_without_the_projects_dependencies_gets_one_error_line() -> None:
+    """``make gpu-check`` runs on the GPU machine's own python (GPU_PYTHON): without Hydra there it says
+    what to install, in one line, instead of a traceback."""
+    code = (
+        "import sys, runpy; sys.modules['hydra'] = None; sys.argv = ['scripts/gpu_check.py']; "
+        "runpy.run_path('scripts/gpu_check.py', run_name='__main__')"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith("error: gpu-check:"), done.stderr
+    assert "pip install -e ." in done.stderr
