@@ -55,8 +55,10 @@ CONFIGS = {
 TIMING = {"resnet20": 128, "resnet110": 128, "gpt": 64}
 
 
-def _model(name: str, device: str) -> tuple[nn.Module, Callable[[int], tuple[torch.Tensor, torch.Tensor]]]:
-    """A model and a batch maker (synthetic data on ``device``)."""
+def _model(
+    name: str, device: str, image_size: int = 32
+) -> tuple[nn.Module, Callable[[int], tuple[torch.Tensor, torch.Tensor]]]:
+    """A model and a batch maker (synthetic data on ``device``; a ResNet's images ``image_size`` square)."""
     if name == "gpt":
         from adaloss.models.gpt import GPT
 
@@ -72,7 +74,8 @@ def _model(name: str, device: str) -> tuple[nn.Module, Callable[[int], tuple[tor
     model = cifar_resnet(int(name.removeprefix("resnet")), 10)
 
     def images(batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.randn(batch, 3, 32, 32, device=device), torch.randint(0, 10, (batch,), device=device)
+        x = torch.randn(batch, 3, image_size, image_size, device=device)
+        return x, torch.randint(0, 10, (batch,), device=device)
 
     return model.to(device), images
 
@@ -120,14 +123,16 @@ def time_steps(
     device: str,
     rounds: int = 5,
     steps: int = 10,
-    dtype: torch.dtype = torch.float16,
+    dtype: torch.dtype | None = torch.float16,
+    image_size: int = 32,
 ) -> dict[str, dict[str, float]]:
     """Median milliseconds per training step of each configuration of :data:`CONFIGS` (and, for the
-    adaptive ones, of a recompute step and of a reuse step), interleaved over ``rounds`` rounds."""
+    adaptive ones, of a recompute step and of a reuse step), interleaved over ``rounds`` rounds; under
+    autocast ``dtype`` (None: FP32). :mod:`adaloss.bench.hostbound` times tiny CPU steps with it."""
     runs = {}
     for key, (class_name, options) in CONFIGS.items():
         torch.manual_seed(0)
-        model, make = _model(model_name, device)
+        model, make = _model(model_name, device, image_size)
         scaler = _scaler(class_name, options, device)
         model = scaler.attach(model)
         runs[key] = (scaler, model, torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9), make)
@@ -164,7 +169,7 @@ def _kernel_ms(
     return sum(e.self_device_time_total for e in prof.key_averages()) / steps / 1e3
 
 
-def _timed_step(run: tuple, batch: int, device: str, dtype: torch.dtype, recompute: bool) -> float:
+def _timed_step(run: tuple, batch: int, device: str, dtype: torch.dtype | None, recompute: bool) -> float:
     """One training step's milliseconds (``recompute``: the adaptive scaler recomputes its scales)."""
     scaler, model, opt, make = run
     x, y = make(batch)
@@ -172,7 +177,7 @@ def _timed_step(run: tuple, batch: int, device: str, dtype: torch.dtype, recompu
         scaler.recompute_next()
     with _Timer(device) as timer:
         opt.zero_grad(set_to_none=True)
-        with torch.autocast(device.split(":")[0], dtype=dtype):
+        with torch.autocast(device.split(":")[0], dtype=dtype or torch.float16, enabled=dtype is not None):
             loss = _loss(model(x), y)
         scaler.scale(loss).backward()
         scaler.step(opt)

@@ -211,12 +211,12 @@ class UnscaledParams(nn.Module):
         object.__setattr__(self, "module", module)  # not a submodule: its tensors are registered above
         object.__setattr__(self, "state", state)
         self.shared = shared
+        self.paths = [name.rpartition(".")[::2] for name in shared]  # (owner module path, parameter name)
         self.calls: list[list[UnscalePoint]] = []  # per call of the module, one point per shared parameter
 
     def forward(self, *args: Any, _adaloss_call: int = 0, **kwargs: Any) -> Any:
-        split = [name.rpartition(".") for name in self.shared]
-        owners = [self.module.get_submodule(path) if path else self.module for path, _, _ in split]
-        leaves = [leaf for _, _, leaf in split]
+        owners = [self.module.get_submodule(path) if path else self.module for path, _ in self.paths]
+        leaves = [leaf for _, leaf in self.paths]
         saved = [owner._parameters for owner in owners]
         params = [owner._parameters[leaf] for owner, leaf in zip(owners, leaves, strict=True)]
         views = ParamUnscale.apply(tuple(self.calls[_adaloss_call]), self.state, *params)
