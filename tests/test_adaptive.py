@@ -205,6 +205,23 @@ def _shrunk_bn(model):
     return model
 
 
+class _PreActivation(nn.Module):
+    """Batch norms in both places the transform treats differently: right after a conv (the conv's node
+    carries its parameters) and after a branch alias or a sum (a ParamUnscale node of their own)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn1, self.conv1 = nn.BatchNorm2d(8), nn.Conv2d(8, 8, 3, padding=1, bias=False)
+        self.bn2, self.conv2 = nn.BatchNorm2d(8), nn.Conv2d(8, 8, 3, padding=1, bias=False)
+        self.bn3, self.fc = nn.BatchNorm2d(8), nn.Linear(8, 10)
+
+    def forward(self, x):
+        h = self.stem(x)  # read by bn1 and the sum: bn1 sees a branch alias
+        r = self.conv2(torch.relu(self.bn2(self.conv1(torch.relu(self.bn1(h))))))  # bn2 after conv1
+        return self.fc(torch.relu(self.bn3(h + r)).mean((2, 3)))  # bn3 after the sum
+
+
 # model factory, input shape, loss factor making the gradients small enough for several betas > 1
 EXACTNESS_CASES = {
     "resnet20": (lambda: _cifar("resnet20"), (2, 3, 16, 16), 1e-9),
@@ -222,6 +239,7 @@ EXACTNESS_CASES = {
     ),
     "mlp_called_twice": (_mlp_shared, (4, 3, 4, 4), 1e-9),
     "vgg_nobn": (_vgg, (2, 3, 16, 16), 1e-9),
+    "pre_activation": (lambda: _shrunk_bn(_PreActivation()), (2, 3, 8, 8), 1e-9),
 }
 
 

@@ -23,7 +23,8 @@ between points and pass alpha through unchanged (section 3.2.2), so they need no
   brought to one common alpha (:func:`branch_scales`, :func:`~adaloss.adaptive.rules.branch_loss_scale`)
   and summed, the rescaling fused into the sum.
 * :class:`ParamUnscale`: any other use of a parameter (a batch norm's affine parameters, a tied
-  embedding), brought to the root scale by its own alpha.
+  embedding), brought to the root scale by its own alpha; for a module fed directly by a conv or linear
+  layer (a batch norm after a conv), that layer's :class:`ScaledGEMM` node does it instead.
 
 One implementation for every device: the statistics, betas and alphas of a recompute pass are 0-dim tensors
 on the gradients' device (CPU tensors on the CPU), nothing synchronizes host and device, and nothing copies
@@ -98,6 +99,9 @@ class GemmPoint:
     # its input gradient goes straight (and only) to that branch's backward: it may add into it in place
     feeds: tuple[int, int] | None = None
     kind: str = "layer"  # "layer": a GEMM with a weight; "product": both operands are activations
+    # the parameters of the module this call feeds directly (a batch norm after a conv), whose gradients
+    # this point's node brings to the root scale instead of a ParamUnscale node of their own
+    carried: tuple[UnscalePoint, ...] = ()
 
 
 @dataclass
@@ -140,7 +144,8 @@ class GradSignature:
     parameters' ``requires_grad`` flags and the forward's tensor inputs' flags. If it changed since the
     last recompute, this asks the scaler to make this step a recompute step (:class:`Reach`).
     Cost: one pass over the parameters' flags per forward pass with grad enabled (22 us for ResNet-110's
-    329 tensors on the project's CPU, 0.003% of its step); no tensor data is read, no sync.
+    329 tensors on the project's CPU, 0.003% of its step), read with torch-function modes off; no tensor
+    data is read, no sync.
     """
 
     def __init__(self, state: AdaptiveState, params: list[torch.Tensor]) -> None:
@@ -151,7 +156,10 @@ class GradSignature:
         if not torch.is_grad_enabled():
             return None
         inputs = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-        sig = (tuple(p.requires_grad for p in self.params), tuple(t.requires_grad for t in inputs))
+        # Torch-function modes off: the hook runs inside the forward pass, where under the CPU emulation's
+        # mode each ``requires_grad`` read would be a Python round trip (7 us each, 0.4 ms per ResNet-20 step)
+        with torch._C.DisableTorchFunction():
+            sig = (tuple(p.requires_grad for p in self.params), tuple(t.requires_grad for t in inputs))
         reach = self.state.reach
         reach.latest = sig
         if reach.at_recompute is not None and sig != reach.at_recompute and self.state.has_unreached():
@@ -529,13 +537,18 @@ class LayerConstants:
 # GEMM
 
 
+_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+_CONV_T = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+# one call that says whether any device's autocast is on (most passes: no), before the per-device question
+_ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+
+
 def _conv_forward(x, w, b, spec):
-    conv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[spec["dims"]]
-    return conv(x, w, b, spec["stride"], spec["padding"], spec["dilation"], spec["groups"])
+    return _CONV[spec["dims"]](x, w, b, spec["stride"], spec["padding"], spec["dilation"], spec["groups"])
 
 
 def _conv_transpose_forward(x, w, b, spec):
-    conv = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}[spec["dims"]]
+    conv = _CONV_T[spec["dims"]]
     return conv(
         x, w, b, spec["stride"], spec["padding"], spec["output_padding"], spec["groups"], spec["dilation"]
     )
@@ -556,7 +569,11 @@ class ScaledGEMM(torch.autograd.Function):
     arrives already rounded (and counted for telemetry) by the :class:`GradRound` node on its output. Under
     autocast (CUDA, or the CPU's own FP16/BF16) it computes in the autocast dtype explicitly, backward pass
     included. ``record`` (grad mode was on at the call) lets the forward pass leave its weight in the state
-    for the batched weight statistics.
+    for the batched weight statistics. ``carried``: the parameters of the module the layer feeds directly
+    (``GemmPoint.carried``, a batch norm after a conv); the node returns a view of each beside ``y`` and
+    brings their gradients to the root scale as :class:`ParamUnscale` would (the module's backward pass
+    runs just before this one, and its gradient carries this layer's ``alpha_j``): one Python node fewer
+    per such module.
 
     Per backward call, beyond what the plain layer does: on a recompute pass the gradient's statistics (two
     reductions) and the beta arithmetic (about ten 0-dim ops, :meth:`adaloss.adaptive.rules.ScaleRule.beta`);
@@ -565,11 +582,17 @@ class ScaledGEMM(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, point: GemmPoint, state: AdaptiveState, spec: dict, record: bool):  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx, x, weight, bias, point: GemmPoint, state: AdaptiveState, spec: dict, record: bool, *carried
+    ):
         # Torch-function modes (the CPU emulation's) off: every op here, even ``.dtype``, would otherwise
         # take a Python round trip through the mode; the emulation's rounding is done explicitly below.
         with torch._C.DisableTorchFunction():
-            return ScaledGEMM._forward(ctx, x, weight, bias, point, state, spec, record)
+            y = ScaledGEMM._forward(ctx, x, weight, bias, point, state, spec, record)
+            if not carried:
+                return y
+            ctx.set_materialize_grads(False)  # as in ParamUnscale
+            return (y, *_param_views(ctx, carried))
 
     @staticmethod
     def _forward(ctx, x, weight, bias, point, state, spec, record):
@@ -584,7 +607,7 @@ class ScaledGEMM(torch.autograd.Function):
         ctx.w_dtype = weight.dtype  # the master weight's dtype: parameter gradients are returned in it
         # Under autocast (any device type: CUDA, or the CPU's real FP16/BF16 kernels) the layer computes in
         # the autocast dtype, and so does its backward pass, which autocast does not cover: cast explicitly.
-        if torch.is_autocast_enabled(x.device.type):
+        if _ANY_AUTOCAST() and torch.is_autocast_enabled(x.device.type):
             dtype = torch.get_autocast_dtype(x.device.type)
             x, weight = x.to(dtype), weight.to(dtype)
             bias = bias.to(dtype) if bias is not None else None
@@ -614,9 +637,12 @@ class ScaledGEMM(torch.autograd.Function):
         return y
 
     @staticmethod
-    def backward(ctx, delta):  # type: ignore[override]
+    def backward(ctx, delta, *carried):  # type: ignore[override]
         with torch._C.DisableTorchFunction():
-            return ScaledGEMM._backward(ctx, delta)
+            if not carried:
+                return ScaledGEMM._backward(ctx, delta)
+            grads = ScaledGEMM._backward(ctx, delta) if delta is not None else (None,) * 7
+            return (*grads, *_to_root_each(ctx.state, ctx.point.carried, carried))
 
     @staticmethod
     def _backward(ctx, delta):
@@ -765,34 +791,55 @@ def _alias(y: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _param_views(ctx: Any, params: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """The views an identity node returns for parameters (:class:`ParamUnscale`, or the parameters a
+    :class:`ScaledGEMM` carries); a frozen parameter's view is marked as needing no gradient (else its
+    module would compute one). Call with torch-function modes off (``requires_grad`` included)."""
+    views = tuple(p.view_as(p) for p in params)
+    frozen = [v for v, p in zip(views, params, strict=True) if not p.requires_grad]
+    if frozen:
+        ctx.mark_non_differentiable(*frozen)
+    return views
+
+
+def _to_root_each(
+    state: AdaptiveState, points: tuple[UnscalePoint, ...], grads: tuple[torch.Tensor | None, ...]
+) -> list[torch.Tensor | None]:
+    """Each parameter gradient of a use times ``alpha_{N+1} / alpha`` of its point, in its own dtype (none
+    when the factor is a host 1; None stays None). Call with torch-function modes off."""
+    out: list[torch.Tensor | None] = []
+    for point, grad in zip(points, grads, strict=True):
+        if grad is not None:
+            factor = state.root_over(point.in_slot, point.name)
+            if not _is_one(factor):
+                grad = grad * (factor if isinstance(factor, float) else factor.to(grad.dtype))
+        out.append(grad)
+    return out
+
+
 class ParamUnscale(torch.autograd.Function):
     """Identity on the parameters of one use outside a GEMM point (:class:`UnscalePoint`: a batch norm's
     affine parameters, a tied embedding), one point per parameter; the backward pass multiplies each
     parameter's gradient from that use by ``alpha_{N+1} / alpha`` of its point, in the parameter's own
     dtype, so it joins the other contributions in ``.grad`` at the root scale, as every parameter gradient
     leaves the backward pass. One node for all the parameters of a call (a batch norm's weight and bias
-    together). Cost: one pass over each gradient (none when the factor is a host 1); no host sync."""
+    together). Cost: one pass over each gradient (none when the factor is a host 1); no host sync.
+
+    A module fed directly by a conv or linear layer (a batch norm after a conv) needs no node of its own:
+    the layer's :class:`ScaledGEMM` carries its parameters (``GemmPoint.carried``) and does the same in
+    its backward pass, which runs right after the module's and reads the same alpha."""
 
     @staticmethod
     def forward(ctx, points: tuple[UnscalePoint, ...], state: AdaptiveState, *params):  # type: ignore[override]
         ctx.points, ctx.state = points, state
         ctx.set_materialize_grads(False)  # a parameter without a gradient from this use gets None, not zeros
-        with torch._C.DisableTorchFunction():
-            views = tuple(p.view_as(p) for p in params)
-        # a frozen parameter's view needs no gradient either (else its module would compute one)
-        ctx.mark_non_differentiable(*(v for v, p in zip(views, params, strict=True) if not p.requires_grad))
-        return views
+        with torch._C.DisableTorchFunction():  # as in ScaledGEMM.forward (``requires_grad`` included)
+            return _param_views(ctx, params)
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
-        state, out = ctx.state, [None, None]
         with torch._C.DisableTorchFunction():
-            for point, grad in zip(ctx.points, grads, strict=True):
-                factor = state.root_over(point.in_slot, point.name) if grad is not None else 1.0
-                if not _is_one(factor):
-                    grad = grad * (factor if isinstance(factor, float) else factor.to(grad.dtype))
-                out.append(grad)
-        return tuple(out)
+            return (None, None, *_to_root_each(ctx.state, ctx.points, grads))
 
 
 class GradProbe(torch.autograd.Function):

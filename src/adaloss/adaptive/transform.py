@@ -106,8 +106,10 @@ class AdaptiveGEMM(nn.Module):
     """A conv/linear layer whose backward pass applies Algorithm 4 (see :class:`ScaledGEMM`).
 
     Registers the wrapped layer's own ``weight`` and ``bias`` Parameter objects, so parameter names and
-    identities do not change. ``forward(x, point_index)``: the point index tells which call of the layer this
-    is when a module is used several times.
+    identities do not change. ``forward(x, point_index)``: the point index tells which call of the layer
+    this is when a module is used several times. A call that carries the parameters of the module it feeds
+    (``GemmPoint.carried``; ``carriers[point_index]`` is that module and the names of its parameters)
+    returns ``(y, *their views)``, and that module uses the views.
     """
 
     def __init__(self, layer: nn.Module, state: AdaptiveState, path: str) -> None:
@@ -122,13 +124,21 @@ class AdaptiveGEMM(nn.Module):
         self.layer_type = type(layer).__name__
         self.spec = _layer_spec(layer, path)
         self.pad_mode = getattr(layer, "padding_mode", "zeros")
+        # not submodules: the modules are registered where they are called
+        object.__setattr__(self, "carriers", {})
 
-    def forward(self, x: torch.Tensor, point_index: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, point_index: int) -> Any:
         if self.pad_mode != "zeros":
             x = F.pad(x, self.layer._reversed_padding_repeated_twice, mode=self.pad_mode)
-        point = self.state.gemms[point_index]
-        y = ScaledGEMM.apply(x, self.weight, self.bias, point, self.state, self.spec, torch.is_grad_enabled())
-        return GradRound.wrap(y, point)
+        state, params = self.state, self._parameters
+        point = state.gemms[point_index]
+        w, b, grad = params["weight"], params["bias"], torch.is_grad_enabled()
+        if not point.carried:
+            return GradRound.wrap(ScaledGEMM.apply(x, w, b, point, state, self.spec, grad), point)
+        owner, names = self.carriers[point_index]
+        carried = [owner._parameters[name] for name in names]
+        out = ScaledGEMM.apply(x, w, b, point, state, self.spec, grad, *carried)
+        return (GradRound.wrap(out[0], point), *out[1:])
 
     def extra_repr(self) -> str:
         return f"{self.layer_type}({self.layer.extra_repr()}), adaptive loss scaling"
@@ -212,20 +222,24 @@ class UnscaledParams(nn.Module):
         object.__setattr__(self, "state", state)
         self.shared = shared
         self.paths = [name.rpartition(".")[::2] for name in shared]  # (owner module path, parameter name)
-        self.calls: list[list[UnscalePoint]] = []  # per call of the module, one point per shared parameter
+        self.owner_paths = [path for path, _ in self.paths]
+        self.leaves = [leaf for _, leaf in self.paths]
+        self.calls: list[tuple[UnscalePoint, ...]] = []  # per call of the module: a point per parameter
 
-    def forward(self, *args: Any, _adaloss_call: int = 0, **kwargs: Any) -> Any:
-        owners = [self.module.get_submodule(path) if path else self.module for path, _ in self.paths]
-        leaves = [leaf for _, leaf in self.paths]
+    def forward(self, *args: Any, _adaloss_call: int = 0, _adaloss_views: Any = None, **kwargs: Any) -> Any:
+        module = self.module
+        owners = [module.get_submodule(path) if path else module for path in self.owner_paths]
         saved = [owner._parameters for owner in owners]
-        params = [owner._parameters[leaf] for owner, leaf in zip(owners, leaves, strict=True)]
-        views = ParamUnscale.apply(tuple(self.calls[_adaloss_call]), self.state, *params)
+        views = _adaloss_views  # made by the GEMM call feeding this one (``GemmPoint.carried``), or:
+        if views is None:
+            params = [table[leaf] for table, leaf in zip(saved, self.leaves, strict=True)]
+            views = ParamUnscale.apply(self.calls[_adaloss_call], self.state, *params)
         try:
-            for owner, leaf, view in zip(owners, leaves, views, strict=True):
+            for owner, leaf, view in zip(owners, self.leaves, views, strict=True):
                 # a copy of the owner's parameter table with this call's view in it, restored below (set
                 # past nn.Module.__setattr__, whose checks cost more than the swap: the value is a dict)
                 object.__setattr__(owner, "_parameters", {**owner._parameters, leaf: view})
-            return self.module(*args, **kwargs)
+            return module(*args, **kwargs)
         finally:
             for owner, table in zip(owners, saved, strict=True):
                 object.__setattr__(owner, "_parameters", table)
@@ -354,7 +368,7 @@ def attach_adaptive(model: nn.Module, state: AdaptiveState, product_betas: bool 
     (:class:`~adaloss.adaptive.ops.ScaledProduct`); without, alpha passes through them unchanged.
 
     The rewrite runs as named passes over the traced graph (:class:`_Rewrite`): GEMM points, parameter
-    uses, branch points, writable copies, slots and the branches' fed inputs.
+    uses, branch points, writable copies, slots, the branches' fed inputs and the carried parameters.
     """
     tracer = AdaptiveTracer()
     try:
@@ -375,6 +389,7 @@ def attach_adaptive(model: nn.Module, state: AdaptiveState, product_betas: bool 
     rewrite.writable_copies()
     rewrite.slots()
     rewrite.fed_branches()
+    rewrite.carried_params()
     state.points.gemm_weights = list(rewrite.weight_params.values())
     gm = rewrite.gm
     gm.graph.lint()
@@ -556,7 +571,7 @@ class _Rewrite:
             tied = tied_modules[node.target]
             points = [state.add_unscale(self.point_name(f"{node.target}.{n}")) for n in shared]
             node.kwargs = {**node.kwargs, "_adaloss_call": len(tied.calls)}
-            tied.calls.append(points)
+            tied.calls.append(tuple(points))
             self.tied_nodes[node] = points
 
     # 3. Branch points at values with several consumers -----------------------------------------------------
@@ -669,6 +684,37 @@ class _Rewrite:
             if getattr(_get_attr(self.gm, node.target), "pad_mode", None) != "zeros":
                 continue  # a product (no ScaledGEMM), or F.pad sits between the alias and the GEMM
             point.feeds = (self.branch_nodes[branch].index, src.args[1])
+
+    def carried_params(self) -> None:
+        """A module holding parameters whose input is directly a conv or linear layer's output (a batch
+        norm after a conv), with its own parameters at the layer's alpha: the layer's node carries them
+        (``GemmPoint.carried``), so their gradients need no :class:`ParamUnscale` node of their own. The
+        layer's call returns ``(y, *views)`` and the module gets the views (``_adaloss_views``)."""
+        modules = dict(self.gm.named_modules())
+        for node, points in self.tied_nodes.items():
+            src = node.args[0] if node.args else None
+            if not isinstance(src, fx.Node) or src not in self.gemm_nodes:
+                continue
+            gemm, tied = modules.get(src.target), modules[node.target]
+            point = self.gemm_nodes[src]
+            if (
+                not isinstance(gemm, AdaptiveGEMM)
+                or point.carried
+                or any(tied.owner_paths)
+                or any(p.in_slot != point.in_slot for p in points)
+            ):
+                continue
+            names = tuple(tied.leaves)
+            with self.graph.inserting_after(src):  # each right after ``src``: made last to first
+                outs = [
+                    self.graph.call_function(operator.getitem, (src, i))
+                    for i in reversed(range(len(names) + 1))
+                ]
+            y, *views = reversed(outs)
+            src.replace_all_uses_with(y, delete_user_cb=lambda user, outs=outs: user not in outs)
+            node.kwargs = {**node.kwargs, "_adaloss_views": tuple(views)}
+            point.carried = tuple(points)
+            gemm.carriers[point.index] = (tied, names)
 
 
 _CONV_FUNCTIONS = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}
