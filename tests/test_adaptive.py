@@ -869,3 +869,35 @@ def test_a_batch_norm_with_its_weight_frozen_and_its_bias_trained_gets_exact_gra
         opt.zero_grad(set_to_none=True)
     assert seen and not any(seen)
     assert len(set(scaler.layer_scales().values())) > 1  # the unscaling factors were not all 1
+
+
+def test_an_attached_forward_pass_costs_no_more_emulation_round_trips_than_the_plain_model(monkeypatch):
+    """Under the CPU emulation every tensor op or attribute read that reaches its torch-function mode is a
+    Python round trip. The scaler's own code (its nodes, the forward pre-hook reading ``requires_grad``,
+    the batch norms' parameter views) runs with the mode off, so an attached ResNet's training step sends
+    the mode no more calls than a dynamic scaler's unmodified model does."""
+    from adaloss.numerics.emulation import EmulatedAutocast
+
+    calls = []
+    original = EmulatedAutocast.__torch_function__
+
+    def counted(self, func, types, args=(), kwargs=None):
+        calls.append(func)
+        return original(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(EmulatedAutocast, "__torch_function__", counted)
+    torch.manual_seed(0)
+    base = _cifar("resnet20")
+    x, y = torch.randn(2, 3, 8, 8), torch.randint(0, 10, (2,))
+    counts = {}
+    for name in ("dynamic", "adaptive"):
+        precision = Precision("fp16", "cpu")
+        scaler = build_scaler(OmegaConf.create({"name": name}), precision.grad_format)
+        model = precision.prepare(scaler.attach(copy.deepcopy(base)))
+        for _ in range(2):  # the adaptive scaler's recompute step, then a reuse step (counted)
+            calls.clear()
+            with precision.autocast():
+                loss = nn.functional.cross_entropy(model(x), y)
+            scaler.scale(loss).backward()
+            counts[name] = len(calls)
+    assert counts["adaptive"] <= counts["dynamic"], counts
