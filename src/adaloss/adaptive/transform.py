@@ -221,9 +221,9 @@ class UnscaledParams(nn.Module):
         object.__setattr__(self, "module", module)  # not a submodule: its tensors are registered above
         object.__setattr__(self, "state", state)
         self.shared = shared
-        self.paths = [name.rpartition(".")[::2] for name in shared]  # (owner module path, parameter name)
-        self.owner_paths = [path for path, _ in self.paths]
-        self.leaves = [leaf for _, leaf in self.paths]
+        # per shared parameter: the path of the module that owns it ("" for its own) and its name there
+        self.owner_paths = [name.rpartition(".")[0] for name in shared]
+        self.leaves = [name.rpartition(".")[2] for name in shared]
         self.calls: list[tuple[UnscalePoint, ...]] = []  # per call of the module: a point per parameter
 
     def forward(self, *args: Any, _adaloss_call: int = 0, _adaloss_views: Any = None, **kwargs: Any) -> Any:
