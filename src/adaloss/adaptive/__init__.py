@@ -1,6 +1,7 @@
 """Adaptive loss scaling internals: the scale rules (Algorithms 4 and 5), the autograd ops (Algorithm 3) and
-the torch.fx rewrite."""
+the torch.fx rewrite, and the report of what it covered (:class:`Coverage`)."""
 
+from adaloss.adaptive.coverage import Coverage
 from adaloss.adaptive.ops import AdaptiveState
 from adaloss.adaptive.rules import (
     RULES,
@@ -15,6 +16,7 @@ __all__ = [
     "RULES",
     "AdaptiveState",
     "AdaptiveTransformError",
+    "Coverage",
     "ScaleRule",
     "attach_adaptive",
     "backward_fan_in",

@@ -112,6 +112,9 @@ class BranchPoint:
     name: str
     in_slots: list[int] = field(default_factory=list)  # one per consumer
     out_slot: int = -1
+    # the value turned out not to be a tensor (a shape, an int, a tuple of them passed along beside the
+    # activations): no gradient ever reaches it, and it counts as no point without scales
+    inert: bool = False
 
 
 @dataclass
@@ -308,7 +311,10 @@ class AdaptiveState:
 
     def has_unreached(self) -> bool:
         """Whether some point has no scales (no gradient reached it in the last recompute pass)."""
-        return any(b is None for b in self.last.beta) or any(f is None for f in self.last.branch_factors)
+        branches = self.points.branches
+        return any(b is None for b in self.last.beta) or any(
+            f is None and not branches[k].inert for k, f in enumerate(self.last.branch_factors)
+        )
 
     def start_backward(
         self, root_alpha: torch.Tensor, recompute: bool, root_host: float | None = None, plain: bool = False
@@ -1087,6 +1093,9 @@ class Rescale(torch.autograd.Function):
     def forward(ctx, point: BranchPoint, state: AdaptiveState, *xs):  # type: ignore[override]
         ctx.point, ctx.state = point, state
         ctx.shared = len(xs) > 1 and all(x is xs[0] for x in xs)
+        # An output no gradient reaches (a head the loss does not use) arrives as None, not as zeros: its
+        # consumer emitted no alpha, and it must not count in Algorithm 5.
+        ctx.set_materialize_grads(False)
         with torch._C.DisableTorchFunction():  # as in ScaledGEMM.forward
             outs = tuple(x.view_as(x) for x in xs)
             emu = active_emulation()

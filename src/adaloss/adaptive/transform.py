@@ -53,6 +53,14 @@ from adaloss.adaptive.attention import (
     Product,
     mha_core,
 )
+from adaloss.adaptive.mutation import (
+    FIXED_VIEW_FUNCTIONS,
+    FIXED_VIEW_METHODS,
+    MutationError,
+    needs_copy,
+    redirect_mutations,
+    writable,
+)
 from adaloss.adaptive.ops import (
     AdaptiveState,
     BranchPoint,
@@ -152,11 +160,38 @@ class BranchModule(nn.Module):
         object.__setattr__(self, "point", point)
         object.__setattr__(self, "state", state)
 
-    def forward(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return Rescale.apply(self.point, self.state, *xs)
+    def forward(self, *xs: Any) -> tuple[Any, ...]:
+        is_tensor = [isinstance(x, torch.Tensor) for x in xs]
+        if all(is_tensor):
+            return Rescale.apply(self.point, self.state, *xs)
+        # fx cannot tell a tensor from a shape or an int: a value that is not a tensor passes unchanged (in
+        # Rescale's place an empty tensor that no gradient reaches, so the consumers keep their positions)
+        for x, t in zip(xs, is_tensor, strict=True):
+            if not t:
+                _check_no_tensor_inside(x, self.point.name)
+        if not any(is_tensor):
+            self.point.inert = True
+            return xs
+        empty = torch.empty(0)
+        outs = Rescale.apply(
+            self.point, self.state, *(x if t else empty for x, t in zip(xs, is_tensor, strict=True))
+        )
+        return tuple(o if t else x for o, x, t in zip(outs, xs, is_tensor, strict=True))
 
     def extra_repr(self) -> str:
         return f"{self.point.name}, {len(self.point.in_slots)} consumers"
+
+
+def _check_no_tensor_inside(value: Any, name: str) -> None:
+    """A container used by several ops may hold shapes and ints, not tensors that carry gradients: their
+    gradients would meet without Algorithm 5."""
+    leaves = torch.utils._pytree.tree_leaves(value)
+    if any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves):
+        raise AdaptiveTransformError(
+            f"adaptive loss scaling: '{name}' is a {type(value).__name__} of tensors that several ops read "
+            "whole; the adaptive scaler needs each tensor's uses visible: unpack it once (a, b = value) "
+            "and pass the tensors on"
+        )
 
 
 class FunctionalGEMM(nn.Module):
@@ -355,6 +390,21 @@ def _is_container(node: fx.Node) -> bool:
     return bool(users) and all(u.op == "call_function" and u.target is operator.getitem for u in users)
 
 
+def _output_leaves(users: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
+    """The elements an op's outputs reach (``getitem`` nodes, through nested tuples), and every ``getitem``
+    on the way, in the order they come."""
+    leaves, getitems = [], []
+    for g in users:
+        getitems.append(g)
+        if _is_container(g):
+            inner_leaves, inner = _output_leaves(_diff_users(g))
+            leaves.extend(inner_leaves)
+            getitems.extend(inner)
+        else:
+            leaves.append(g)
+    return leaves, getitems
+
+
 def _set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
     parent_path, _, name = path.rpartition(".")
     parent = root.get_submodule(parent_path) if parent_path else root
@@ -367,8 +417,10 @@ def attach_adaptive(model: nn.Module, state: AdaptiveState, product_betas: bool 
     ``product_betas``: activation-by-activation products and attention calls get a beta of their own
     (:class:`~adaloss.adaptive.ops.ScaledProduct`); without, alpha passes through them unchanged.
 
-    The rewrite runs as named passes over the traced graph (:class:`_Rewrite`): GEMM points, parameter
-    uses, branch points, writable copies, slots, the branches' fed inputs and the carried parameters.
+    The rewrite runs as named passes over the traced graph (:class:`_Rewrite`), after in-place writes are
+    made visible to the ops that follow them (:func:`adaloss.adaptive.mutation.redirect_mutations`): GEMM
+    points, parameter uses, branch points, slots (and the branch points of several outputs), writable
+    copies, the branches' fed inputs and the carried parameters.
     """
     tracer = AdaptiveTracer()
     try:
@@ -383,11 +435,15 @@ def attach_adaptive(model: nn.Module, state: AdaptiveState, product_betas: bool 
             "control flow that depends on tensor values"
         ) from exc
     rewrite = _Rewrite(fx.GraphModule(tracer.root, graph, type(model).__name__), state, tracer)
+    try:
+        redirect_mutations(rewrite.gm, rewrite.untouched, keep=LEAF_GEMMS)
+    except MutationError as exc:
+        raise AdaptiveTransformError(str(exc)) from exc
     rewrite.gemm_points(product_betas)
     rewrite.parameter_uses()
     rewrite.branch_points()
-    rewrite.writable_copies()
     rewrite.slots()
+    rewrite.writable_copies()
     rewrite.fed_branches()
     rewrite.carried_params()
     state.points.gemm_weights = list(rewrite.weight_params.values())
@@ -413,6 +469,15 @@ class _Rewrite:
         self.chains: set[fx.Node] = set()  # nodes holding a parameter (or a fixed view of one) a GEMM uses
         self.metadata: dict[fx.Node, bool] = {}
         self.calls: Counter[str] = Counter()  # one name counter for every kind of point
+
+    def untouched(self, node: fx.Node) -> bool:
+        """Values whose in-place writes the rewrite leaves as they are: sizes, parameters and buffers (and
+        fixed views of parameters)."""
+        return (
+            node.op == "get_attr"
+            or _is_metadata(node, self.metadata)
+            or _param_chain(self.gm, node) is not None
+        )
 
     def point_name(self, base: str) -> str:
         k = self.calls[base]
@@ -598,7 +663,7 @@ class _Rewrite:
         aliases = [g for b in self.branch_nodes for g in b.users]
         for node in [*self.gemm_nodes, *self.leaf_nodes, *aliases]:
             for user in list(node.users):
-                if _mutates_first_argument(self.gm, user, node):
+                if needs_copy(self.gm, user, node):
                     with self.graph.inserting_before(user):
                         copy = self.graph.call_function(writable, (node,))
                     user.replace_input_with(node, copy)
@@ -619,19 +684,21 @@ class _Rewrite:
         return slot.get(user)
 
     def _container_slot(self, node: fx.Node, users: list[fx.Node], slot: dict[fx.Node, int | None]) -> None:
-        """The outputs of one op (split, chunk): a branch point when they reach points of different alphas."""
-        slots = {slot.get(g) for g in users} - {None}
+        """The outputs of one op (split, chunk): a branch point when they reach points of different alphas.
+        An output that is itself a tuple (a leaf function's result) takes part through its elements."""
+        leaves, getitems = _output_leaves(users)
+        slots = {slot.get(g) for g in leaves} - {None}
         if len(slots) <= 1:
             slot[node] = slots.pop() if slots else None
             return
         prev = node  # the outputs right after the op, so the branch precedes all their consumers
-        for g in sorted(users, key=lambda g: _position(self.graph, g)):
+        for g in sorted(getitems, key=lambda g: _position(self.graph, g)):
             prev.append(g)
             prev = g
         point = self.state.add_branch(f"{node.name}.outputs")
-        inserted = _insert_branch(self.gm, self.graph, point, self.state, users, None, None)
-        point.in_slots = [slot[g] for g in users]
-        for g in users:
+        inserted = _insert_branch(self.gm, self.graph, point, self.state, leaves, None, None)
+        point.in_slots = [slot.get(g) or 0 for g in leaves]
+        for g in leaves:
             slot[g] = point.out_slot
         self.branch_nodes.update(inserted)
         slot[node] = point.out_slot
@@ -723,73 +790,6 @@ _MATMUL_FUNCTIONS = {torch.matmul, operator.matmul, torch.mm}
 _MATMUL_METHODS = {"matmul", "mm", "__matmul__"}
 _CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
 _CONV_T_ARGS = ("input", "weight", "bias", "stride", "padding", "output_padding", "groups", "dilation")
-# ops that take a fixed view of a parameter (with constant arguments): a GEMM weight may come through them
-_VIEW_METHODS = {
-    "t",
-    "transpose",
-    "permute",
-    "view",
-    "reshape",
-    "split",
-    "chunk",
-    "narrow",
-    "contiguous",
-    "unflatten",
-    "flatten",
-    "squeeze",
-    "unsqueeze",
-}
-_VIEW_FUNCTIONS = {
-    torch.t,
-    torch.transpose,
-    torch.permute,
-    torch.reshape,
-    torch.split,
-    torch.chunk,
-    torch.narrow,
-    torch.flatten,
-    torch.squeeze,
-    torch.unsqueeze,
-}
-
-
-def writable(x: torch.Tensor) -> torch.Tensor:
-    """``x``, or a copy of it if it is a view (what an identity autograd node returns, or a linear layer's
-    output on a 3-D input): the input of an op that writes in place. Costs a copy only for views."""
-    return x.clone() if x._base is not None else x
-
-
-_INPLACE_OPERATORS = {
-    operator.iadd,
-    operator.isub,
-    operator.imul,
-    operator.itruediv,
-    operator.ifloordiv,
-    operator.imod,
-    operator.ipow,
-    operator.imatmul,
-    operator.iand,
-    operator.ior,
-    operator.ixor,
-}
-
-
-def _mutates_first_argument(gm: fx.GraphModule, user: fx.Node, node: fx.Node) -> bool:
-    """Whether ``user`` writes into ``node``, its first argument: a module built with ``inplace=True``, a
-    method or function named with a trailing underscore (``relu_``), an augmented assignment, or a call
-    with ``inplace=True``."""
-    if not user.args or user.args[0] is not node:
-        return False
-    if user.op == "call_module":
-        return getattr(gm.get_submodule(user.target), "inplace", False) is True
-    if user.op == "call_method":
-        return user.target.endswith("_") and not user.target.startswith("_")
-    if user.op == "call_function":
-        if user.target in _INPLACE_OPERATORS or user.kwargs.get("inplace") is True:
-            return True
-        name = getattr(user.target, "__name__", "")
-        return name.endswith("_") and not name.startswith("_")
-    return False
 
 
 def _bind(node: fx.Node, names: tuple[str, ...], start: int = 0) -> dict[str, Any] | None:
@@ -824,8 +824,8 @@ def _param_chain(gm: fx.GraphModule, node: Any) -> list[fx.Node] | None:
         if node.args[1] not in ("T", "mT"):
             return None
     elif not (
-        (node.op == "call_method" and node.target in _VIEW_METHODS)
-        or (node.op == "call_function" and node.target in _VIEW_FUNCTIONS)
+        (node.op == "call_method" and node.target in FIXED_VIEW_METHODS)
+        or (node.op == "call_function" and node.target in FIXED_VIEW_FUNCTIONS)
     ):
         return None
     if _has_node((node.args[1:], node.kwargs)):

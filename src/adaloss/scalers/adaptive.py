@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
+from adaloss.adaptive.coverage import Coverage, build_coverage, recurrent_layers
 from adaloss.adaptive.ops import AdaptiveState, GradSignature, HostScales
 from adaloss.adaptive.rules import NO_BOUND, REFERENCE_FP16_U_MIN, RULES, ScaleRule
 from adaloss.adaptive.transform import attach_adaptive
@@ -184,6 +186,7 @@ class AdaptiveLossScaler(LossScaler):
 
     name = "adaptive"
     _number_keyword = "t_uf"
+    _attached: nn.Module | None = None  # the module attach() returned, for coverage()
 
     def __init__(
         self,
@@ -296,6 +299,10 @@ class AdaptiveLossScaler(LossScaler):
 
         Raises ``AdaptiveTransformError`` (a ``ConfigError``) naming the construct if the model cannot be
         rewritten. Call once per scaler. No host-device sync.
+
+        Warns (``UserWarning``, one per module) about each recurrent layer (``nn.LSTM``, ``nn.GRU``,
+        ``nn.RNN`` and their cells), naming its GEMM weights: its GEMMs run inside one ATen op, so they get
+        no scaling point; their gradients stay exact. :meth:`coverage` reports every weight without a point.
         """
         if not self._enabled:
             return model
@@ -314,7 +321,37 @@ class AdaptiveLossScaler(LossScaler):
         gm.register_forward_pre_hook(GradSignature(state, list(gm.parameters())), with_kwargs=True)
         if self.root == "adaptive":  # the loss gradient's statistics, at the model's outputs
             gm.register_forward_hook(_LossGradientHook(self))
+        self._attached = gm
+        for layer in recurrent_layers(gm, state):  # never silently: name the weights left without a point
+            warnings.warn(layer.warning(), UserWarning, stacklevel=2)
         return gm
+
+    def coverage(self, *example_inputs: Any, **example_kwargs: Any) -> Coverage:
+        """What ``attach`` scaled, for a user to check a model in one call: every GEMM point (a layer's, with
+        the parameter under its weight; a product's, with or without a beta), every parameter of 2 or more
+        dimensions under no point and why (a recurrent layer's weight, an embedding table, a positional
+        embedding), and, given example inputs (as the model takes them), the GEMM calls of one forward pass
+        counted in ATen, each inside a point or not: a GEMM the transform does not recognize shows up
+        there, named by its parameter. ``print(scaler.coverage(x))`` shows a table;
+        ``.every_gemm_weight_has_a_point`` sums it up (see :mod:`adaloss.adaptive.coverage`).
+
+        Without inputs: host-side only, no sync. With inputs: one forward pass with every ATen op through
+        Python, to be counted as a host-device sync: call it before training, not in the loop. That pass
+        runs under ``torch.no_grad()`` in the model's training mode; the buffers (batch-norm statistics)
+        and the random generators are restored after it, and the scaler's state is untouched. Under
+        autocast the count follows each weight into its cast copy.
+
+        Raises:
+            RuntimeError: before ``attach`` (or on a disabled scaler, which attaches nothing).
+        """
+        if self.state is None or self._attached is None:
+            why = (
+                "the scaler is disabled, so attach() rewrote nothing"
+                if not self._enabled
+                else "call it first"
+            )
+            raise RuntimeError(f"coverage() reports on the model attach() rewrote: {why}")
+        return build_coverage(self._attached, self.state, example_inputs, example_kwargs)
 
     # ------------------------------------------------------------------ training-loop API
 

@@ -1,0 +1,510 @@
+"""What the adaptive transform scaled in one model: its GEMM points, the weights left without one, and why.
+
+:func:`build_coverage` reads the rewritten module and its :class:`~adaloss.adaptive.ops.AdaptiveState`:
+
+* the scaling points, in network order: each layer point with the parameter under its weight, each product
+  with or without a beta of its own (``Product`` modules of ``einsum``, and every product under
+  ``product_betas=False``, pass alpha through);
+* every parameter with 2 or more dimensions under no point, with its module and the reason: a recurrent
+  layer (``nn.LSTM``, ``nn.GRU``, ``nn.RNN`` and their cells: the whole layer is one ATen op that fx keeps
+  as a leaf), an operand of a product without a beta, or anything else (a positional embedding added to the
+  activations); embedding tables are listed apart, as lookups;
+* given example inputs, the ATen count: one forward pass under :class:`GemmCalls` records every GEMM call
+  (``mm``, ``addmm``, ``bmm``, ``convolution``, the fused RNN kernels, ...) with an operand inside a
+  parameter's storage, and the point whose forward made it, if any. A GEMM the transform did not catch
+  (a functional form it does not rewrite) shows up there, named by its parameter.
+
+``AdaptiveLossScaler.coverage`` is the public entry point; ``attach()`` warns about recurrent layers with
+:func:`recurrent_layers`.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from adaloss.adaptive.attention import AttentionCore, LeafGEMMs, Product
+from adaloss.adaptive.ops import AdaptiveState, GemmPoint, ScaledGEMM
+from adaloss.adaptive.transform import AdaptiveGEMM, FunctionalGEMM, ParamUnscaleModule, UnscaledParams
+
+__all__ = [
+    "Coverage",
+    "GemmCall",
+    "GemmCalls",
+    "PointCoverage",
+    "RecurrentLayer",
+    "UnscaledWeight",
+    "build_coverage",
+    "recurrent_layers",
+]
+
+RECURRENT_REASON = "recurrent layer: its GEMMs run inside one ATen op the transform does not open"
+LOOKUP_REASON = "lookup (embedding), not a GEMM"
+OTHER_REASON = "not multiplied by a GEMM point"
+
+#: Recurrent modules: fx keeps each a leaf, and its GEMMs run inside one ATen op (``aten::lstm``, ...).
+RECURRENT_TYPES = (nn.RNNBase, nn.RNNCellBase)
+_LOOKUP_TYPES = (nn.Embedding, nn.EmbeddingBag)
+_LOOKUP_FUNCTIONS = {F.embedding, F.embedding_bag, torch.embedding}
+
+#: ATen ops that multiply matrices: the plain GEMMs and the fused recurrent kernels (cuDNN, MIOpen, oneDNN).
+_GEMM_OP_NAMES = (
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "addbmm",
+    "mv",
+    "addmv",
+    "_addmm_activation",
+    "_scaled_mm",
+    "convolution",
+    "_cudnn_rnn",
+    "miopen_rnn",
+    "mkldnn_rnn_layer",
+)
+GEMM_OPS = frozenset(getattr(torch.ops.aten, n) for n in _GEMM_OP_NAMES if hasattr(torch.ops.aten, n))
+#: Ops whose output is a copy of their first argument (autocast's casts, clones).
+_COPY_OPS = frozenset(getattr(torch.ops.aten, n) for n in ("_to_copy", "clone") if hasattr(torch.ops.aten, n))
+#: Ops that move the tensors of their first argument into a new buffer, in place (cuDNN's RNN weights).
+_MOVE_OPS = frozenset(
+    getattr(torch.ops.aten, n) for n in ("_cudnn_rnn_flatten_weight",) if hasattr(torch.ops.aten, n)
+)
+
+#: Ops through which a parameter stays the same values (a view, a transpose, a cast): followed when looking
+#: for what consumes a parameter.
+_VIEW_NAMES = frozenset(
+    "t T mT transpose permute view reshape contiguous flatten unflatten squeeze unsqueeze expand narrow "
+    "chunk split to type float half bfloat16 double".split()
+)
+
+
+@dataclass(frozen=True)
+class PointCoverage:
+    """One scaling point (or a product that passes alpha through): ``kind`` "layer" (a GEMM with a weight,
+    ``weight`` the parameter under it) or "product" (two activations); ``beta``: it computes a beta of its
+    own (Algorithm 4)."""
+
+    name: str
+    kind: str
+    weight: str | None
+    beta: bool
+
+
+@dataclass(frozen=True)
+class UnscaledWeight:
+    """A parameter of 2 or more dimensions under no GEMM point. ``gemm``: it is known to be a GEMM operand
+    (a recurrent layer's weight, an operand of a product without a beta, or one the ATen count saw in a
+    GEMM outside every point), so a GEMM of the model goes without Algorithm 4."""
+
+    name: str
+    module: str  # path of the module holding it ("" for the root)
+    module_type: str
+    reason: str
+    gemm: bool
+
+
+@dataclass(frozen=True)
+class GemmCall:
+    """One ATen GEMM call with an operand inside a parameter's storage: the op (``mm``, ``convolution``,
+    ``mkldnn_rnn_layer``), the parameter, and the point whose forward made it (None: outside every
+    point). A call with several parameter operands (a fused RNN kernel) gives one per parameter."""
+
+    op: str
+    param: str
+    point: str | None
+
+
+@dataclass(frozen=True)
+class RecurrentLayer:
+    """A recurrent module of an attached model and its GEMM weights under no point (``weight_ih_l0``, ...)."""
+
+    path: str
+    module_type: str
+    weights: tuple[str, ...]
+
+    def warning(self) -> str:
+        return (
+            f"adaptive loss scaling: '{self.path}' ({self.module_type}) is a recurrent layer; its GEMMs run "
+            "inside one ATen op the transform does not open, so its GEMM weights "
+            f"{', '.join(self.weights)} get no scaling point (no beta). Their gradients stay exact: they are "
+            "brought to the root scale by the alpha of the layer's output gradient. scaler.coverage() lists "
+            "every weight without a point"
+        )
+
+
+@dataclass
+class Coverage:
+    """What the adaptive transform scaled in one model (see the module docstring). ``calls`` is None when
+    no example inputs were given (nothing counted in ATen)."""
+
+    points: list[PointCoverage] = field(default_factory=list)
+    unscaled: list[UnscaledWeight] = field(default_factory=list)
+    lookups: list[UnscaledWeight] = field(default_factory=list)
+    calls: list[GemmCall] | None = None
+
+    @property
+    def outside(self) -> list[GemmCall]:
+        """The counted GEMM calls that ran outside every point."""
+        return [c for c in self.calls or () if c.point is None]
+
+    @property
+    def every_gemm_weight_has_a_point(self) -> bool:
+        """Whether every GEMM with a weight got a scaling point: no recurrent weight or product operand is
+        left unscaled and, where counted, no GEMM call multiplied a parameter outside every point. Without
+        example inputs a GEMM the transform does not recognize is invisible here: pass them."""
+        return not any(w.gemm for w in self.unscaled) and not self.outside
+
+    def format(self) -> str:
+        """A plain-text table of the points, the weights without one, the lookups and the ATen count."""
+        layers = [p for p in self.points if p.kind == "layer"]
+        products = [p for p in self.points if p.kind != "layer"]
+        with_beta = sum(p.beta for p in products)
+        lines = [
+            f"Scaling points: {_count(len(layers), 'layer')}, {_count(len(products), 'product')} "
+            f"({with_beta} with a beta, {len(products) - with_beta} passing alpha through)"
+        ]
+        rows = [(p.name, p.kind, "yes" if p.beta else "no", p.weight or "-") for p in self.points]
+        lines += _table(("point", "kind", "beta", "weight"), rows)
+        for title, entries in (("Weights under no point", self.unscaled), ("Lookups", self.lookups)):
+            lines.append(f"{title}: {len(entries)}")
+            rows = [(w.name, w.module or "(root)", w.module_type, w.reason) for w in entries]
+            lines += _table(("parameter", "module", "type", "reason"), rows)
+        if self.calls is None:
+            lines.append("ATen GEMM calls: not counted (pass example inputs: scaler.coverage(x))")
+        else:
+            outside = self.outside
+            lines.append(
+                f"ATen GEMM calls with a parameter operand (one per call and parameter): {len(self.calls)}, "
+                f"{len(self.calls) - len(outside)} inside a point, {len(outside)} outside"
+            )
+            counts = Counter((c.op, c.param) for c in outside)
+            lines += _table(("op", "parameter", "calls"), [(op, p, str(n)) for (op, p), n in counts.items()])
+        missed = sum(w.gemm for w in self.unscaled)
+        verdict = (
+            "yes"
+            if self.every_gemm_weight_has_a_point
+            else (
+                f"no ({_count(missed, 'GEMM weight')} under no point, "
+                f"{_count(len(self.outside), 'ATen GEMM call')} outside every point)"
+            )
+        )
+        lines.append(f"Every GEMM weight has a point: {verdict}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.format()
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+    """Rows under a header, columns aligned, indented by two spaces; nothing for no rows."""
+    if not rows:
+        return []
+    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
+    return [
+        "  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in (header, *rows)
+    ]
+
+
+# ------------------------------------------------------------------------------------------ static part
+
+
+def build_coverage(
+    model: nn.Module,
+    state: AdaptiveState,
+    example_args: tuple = (),
+    example_kwargs: dict[str, Any] | None = None,
+) -> Coverage:
+    """The coverage report of ``model``, the module ``attach_adaptive`` returned for ``state``. With example
+    inputs, also the ATen count of one forward pass (:func:`count_gemm_calls`)."""
+    names = _param_names(model)
+    calls = None
+    if example_args or example_kwargs:
+        calls = count_gemm_calls(model, names, example_args, example_kwargs or {})
+    report = Coverage(points=_points(model, state, names), calls=calls)
+    under = {id(p) for p in state.points.gemm_weights}
+    graph = model.graph if isinstance(model, fx.GraphModule) else None
+    uses = _param_uses(model, graph) if graph is not None else {}
+    seen_outside = {c.param: c.op for c in reversed(report.outside)}  # the first op per parameter
+    under_products = {name for name, (kind, _) in uses.items() if kind == "product"}
+    for name, p in model.named_parameters():
+        if p.dim() < 2 or id(p) in under or name in under_products:
+            continue
+        path = name.rpartition(".")[0]
+        owner = _unwrapped(model.get_submodule(path))
+        entry = (name, path, type(owner).__name__)
+        kind, detail = uses.get(name, (None, None))
+        if isinstance(owner, RECURRENT_TYPES):
+            report.unscaled.append(UnscaledWeight(*entry, RECURRENT_REASON, True))
+        elif isinstance(owner, _LOOKUP_TYPES) or kind == "lookup":
+            report.lookups.append(UnscaledWeight(*entry, LOOKUP_REASON, False))
+        elif kind == "pass-through":
+            reason = f"operand of '{detail}', a product without a beta (alpha passes through)"
+            report.unscaled.append(UnscaledWeight(*entry, reason, True))
+        elif name in seen_outside:
+            reason = f"multiplied by aten.{seen_outside[name]} outside every point"
+            report.unscaled.append(UnscaledWeight(*entry, reason, True))
+        else:
+            report.unscaled.append(UnscaledWeight(*entry, OTHER_REASON, False))
+    return report
+
+
+def recurrent_layers(model: nn.Module, state: AdaptiveState) -> list[RecurrentLayer]:
+    """The recurrent modules of an attached ``model`` (:data:`RECURRENT_TYPES`) and their GEMM weights (2 or
+    more dimensions) under no point. Host-side only: fast enough for ``attach()``."""
+    under = {id(p) for p in state.points.gemm_weights}
+    out = []
+    for path, module in model.named_modules():
+        inner = _unwrapped(module)
+        if not isinstance(inner, RECURRENT_TYPES):
+            continue
+        weights = tuple(
+            n for n, p in inner.named_parameters(recurse=False) if p.dim() >= 2 and id(p) not in under
+        )
+        if weights:
+            out.append(RecurrentLayer(path, type(inner).__name__, weights))
+    return out
+
+
+def _unwrapped(module: nn.Module) -> nn.Module:
+    """The user's module behind the transform's wrapper at its path (the layer, or the module holding
+    parameters), else ``module``."""
+    if isinstance(module, UnscaledParams):
+        return module.module
+    if isinstance(module, AdaptiveGEMM):
+        return module.layer
+    return module
+
+
+def _param_names(model: nn.Module) -> dict[int, str]:
+    """``id(parameter) -> name``, the first name of a tied parameter."""
+    names: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+    return names
+
+
+def _points(model: nn.Module, state: AdaptiveState, names: dict[int, str]) -> list[PointCoverage]:
+    """Every point of ``state``, in the graph's order where the graph shows it, with its weight's name, and
+    the products without a point."""
+    out: dict[int | str, PointCoverage] = {}
+    for index, module, weight in _point_calls(model, names):
+        if index is None:  # a product that passes alpha through
+            out[f"product:{module.name}"] = PointCoverage(module.name, "product", None, False)
+            continue
+        point = state.gemms[index]
+        out.setdefault(index, PointCoverage(point.name, point.kind, weight, True))
+    for point in state.gemms:  # any the graph walk did not find
+        if point.index not in out:
+            out[point.index] = PointCoverage(point.name, point.kind, None, True)
+    return list(out.values())
+
+
+def _point_calls(
+    model: nn.Module, names: dict[int, str]
+) -> Iterator[tuple[int | None, nn.Module, str | None]]:
+    """``(point index or None, module, weight name)`` per point call in the graph of ``model``."""
+    if not isinstance(model, fx.GraphModule):
+        return
+    for node in model.graph.nodes:
+        if node.op != "call_module":
+            continue
+        module = model.get_submodule(node.target)
+        if isinstance(module, AdaptiveGEMM):
+            yield node.args[1], module, names.get(id(module.weight))
+        elif isinstance(module, FunctionalGEMM):
+            yield node.args[3], module, _root_param(model, node.args[1])
+        elif isinstance(module, LeafGEMMs):
+            bound = module.signature.bind(*node.args, **node.kwargs).arguments
+            for (w_name, _, _), k in zip(module.entry["gemms"], module.points, strict=True):
+                yield k, module, _root_param(model, bound.get(w_name))
+        elif isinstance(module, (Product, AttentionCore)):
+            yield module.point_index, module, None
+
+
+def _root_param(model: nn.Module, node: Any) -> str | None:
+    """The parameter a chain of views (and the transform's identity nodes) starts from, or None."""
+    while isinstance(node, fx.Node):
+        if node.op == "get_attr":
+            try:
+                model.get_parameter(node.target)
+            except AttributeError:
+                return None
+            return node.target
+        node = node.args[0] if node.args else None
+    return None
+
+
+def _param_uses(model: fx.GraphModule, graph: fx.Graph) -> dict[str, tuple[str, str]]:
+    """``{parameter name: (kind, detail)}`` for parameters read directly in the graph whose values reach a
+    lookup (``F.embedding``: kind "lookup") or a product (kind "product" with a beta, "pass-through" without;
+    detail: the product's name), through views and the transform's identity nodes only."""
+    out: dict[str, tuple[str, str]] = {}
+    for node in graph.nodes:
+        name = _root_param(model, node) if node.op == "get_attr" else None
+        if name is None:
+            continue
+        todo, seen = list(node.users), set()
+        while todo:
+            user = todo.pop()
+            if user in seen:
+                continue
+            seen.add(user)
+            module = model.get_submodule(user.target) if user.op == "call_module" else None
+            if user.op == "call_function" and user.target in _LOOKUP_FUNCTIONS:
+                out.setdefault(name, ("lookup", ""))
+            elif isinstance(module, (Product, AttentionCore)):
+                kind = "pass-through" if module.point_index is None else "product"
+                if out.get(name, ("",))[0] != "product":
+                    out[name] = (kind, module.name)
+            elif isinstance(module, ParamUnscaleModule) or _is_view(user):
+                todo.extend(user.users)
+    return out
+
+
+def _is_view(node: fx.Node) -> bool:
+    """A node that passes its first argument's values on as they are (a view, a transpose, a cast)."""
+    if node.op == "call_function" and node.target in (operator.getitem, getattr):
+        return True
+    target = node.target if node.op == "call_method" else getattr(node.target, "__name__", None)
+    return node.op in ("call_method", "call_function") and target in _VIEW_NAMES
+
+
+# ------------------------------------------------------------------------------------------ ATen count
+
+
+class GemmCalls(TorchDispatchMode):
+    """Records every ATen GEMM call (:data:`GEMM_OPS`) with an operand inside a parameter's storage (the
+    weight, its transpose, a slice of a packed weight, a fused RNN kernel's weights) as a :class:`GemmCall`,
+    with ``point``: the name of the point whose forward is running (set by :func:`count_gemm_calls`).
+
+    A copy of a whole parameter keeps its name: autocast's cast to FP16/BF16 (``_to_copy``), a clone, and
+    cuDNN's move of an RNN's weights into one buffer (``_cudnn_rnn_flatten_weight``, in place). The copies
+    are kept alive while the mode is, so their memory is not reused by another tensor during the count."""
+
+    def __init__(self, params: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.spans: dict[int, list[tuple[int, int, str]]] = {}  # storage pointer -> (start, end, name)
+        self.copies: list[torch.Tensor] = []
+        for name, p in params.items():
+            self._add(p, name)
+        self.calls: list[GemmCall] = []
+        self.point: str | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        packet = func.overloadpacket
+        if packet in GEMM_OPS:
+            found: list[str] = []
+            for a in tree_leaves((args, kwargs)):
+                if isinstance(a, torch.Tensor) and a.dim() >= 2:
+                    found += [n for n in self._params(a) if n not in found]
+            self.calls += [GemmCall(packet.__name__, name, self.point) for name in found]
+        moved = [(t, self._whole(t)) for t in args[0]] if packet in _MOVE_OPS else []
+        out = func(*args, **kwargs)
+        if packet in _COPY_OPS and isinstance(out, torch.Tensor):
+            moved = [(out, self._whole(args[0]))]
+        for t, name in moved:
+            if name is not None:
+                self._add(t, name)
+                self.copies.append(t)
+        return out
+
+    def _add(self, t: torch.Tensor, name: str) -> None:
+        ptr = _storage(t)
+        if ptr:
+            self.spans.setdefault(ptr, []).append((*_span(t), name))
+
+    def _params(self, t: torch.Tensor) -> list[str]:
+        """The parameters whose memory ``t`` overlaps."""
+        start, end = _span(t)
+        return [n for s, e, n in self.spans.get(_storage(t), ()) if s < end and start < e]
+
+    def _whole(self, t: torch.Tensor) -> str | None:
+        """The parameter ``t`` covers exactly (the parameter, a transpose of it), or None."""
+        span = _span(t)
+        return next((n for s, e, n in self.spans.get(_storage(t), ()) if (s, e) == span), None)
+
+
+def _storage(t: torch.Tensor) -> int:
+    """The address of ``t``'s storage; 0 for a tensor without one."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return 0
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The byte range of its storage a strided tensor can touch."""
+    size = t.element_size()
+    if t.numel() == 0:
+        return 0, 0
+    extent = 1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride(), strict=True))
+    return t.storage_offset() * size, (t.storage_offset() + extent) * size
+
+
+def count_gemm_calls(
+    model: nn.Module, names: dict[int, str], args: tuple, kwargs: dict[str, Any]
+) -> list[GemmCall]:
+    """One forward pass of ``model`` under :class:`GemmCalls`, each call tagged with the point whose
+    ``ScaledGEMM`` (or product with a beta) made it. No grad, so the scaler's state is not touched; the
+    training flag is kept, the buffers (batch-norm statistics) and the random generators are restored."""
+    params = {name: p for p in model.parameters() if (name := names.get(id(p))) is not None}
+    counter = GemmCalls(params)
+    gemm_forward = ScaledGEMM.__dict__["_forward"]
+    product_forward = Product.__dict__["forward"]
+
+    def in_gemm(*a: Any, **k: Any) -> Any:
+        point = next((x for x in a if isinstance(x, GemmPoint)), None)
+        with _inside(counter, point.name if point is not None else None):
+            return gemm_forward.__func__(*a, **k)
+
+    def in_product(self: Product, *a: Any, **k: Any) -> Any:
+        with _inside(counter, self.name if self.point_index is not None else counter.point):
+            return product_forward(self, *a, **k)
+
+    tensors = [
+        t for t in tree_leaves((args, kwargs, list(model.parameters()))) if isinstance(t, torch.Tensor)
+    ]
+    cuda = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+    tables = [(m, dict(m._buffers)) for m in model.modules()]  # a buffer may be replaced, not written
+    buffers = [(t, t.detach().clone()) for t in model.buffers()]
+    ScaledGEMM._forward = staticmethod(in_gemm)
+    Product.forward = in_product
+    try:
+        with torch.random.fork_rng(devices=cuda), torch.no_grad(), counter:
+            model(*args, **kwargs)
+    finally:
+        ScaledGEMM._forward = gemm_forward
+        Product.forward = product_forward
+        for m, table in tables:
+            m._buffers.update(table)
+        with torch.no_grad():
+            for t, saved in buffers:
+                t.copy_(saved)
+    return counter.calls
+
+
+@contextmanager
+def _inside(counter: GemmCalls, point: str | None) -> Iterator[None]:
+    """``counter.point`` is ``point`` for the duration of a point's forward; the outer one after it."""
+    outer, counter.point = counter.point, point
+    try:
+        yield
+    finally:
+        counter.point = outer
