@@ -23,10 +23,10 @@ $(STAMP): pyproject.toml
 setup: $(STAMP) ## create .venv (Python 3.11): torch 2.14.1, torchvision 0.29.1 and the dependencies
 
 test: setup ## run the test suite on the CPU, two pytest workers (under 8 minutes on 2 cores)
-	$(PY) -m pytest -q -n 2 -m "not slow" tests
+	$(PY) -m pytest -q -n 2 --dist worksteal -m "not slow" tests
 
 test-full: setup ## run every test, the slow ones included (two pytest workers)
-	$(PY) -m pytest -q -n 2 tests
+	$(PY) -m pytest -q -n 2 --dist worksteal tests
 
 lint: setup ## ruff lint and format check
 	$(VENV)/bin/ruff check src tests scripts train.py

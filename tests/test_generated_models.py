@@ -86,30 +86,15 @@ _SETTINGS = {
 }
 
 
-@seed(20261127)
-@settings(max_examples=FAST_EXAMPLES, **_SETTINGS)
-@given(programs())
-def test_generated_models_get_plain_backprop_gradients(program):
-    check_program(program)
-
-
-@pytest.mark.slow
-@seed(7)
-@settings(max_examples=FULL_EXAMPLES, **_SETTINGS)
-@given(programs(max_ops=14))
-def test_thousands_of_generated_models_get_plain_backprop_gradients(program):
-    check_program(program)
-
-
-def test_the_generated_models_exercise_what_they_are_meant_to():
-    """Over 150 drawn models: every op kind is drawn, most models have alphas above 1, and some branch
-    points meet gradients of different alphas (Algorithm 5 rescales), so the property checks the
-    algorithms rather than identities."""
+def test_generated_models_get_plain_backprop_gradients():
+    """300 drawn models pass the property; and they exercise what they are meant to: every op kind is
+    drawn, most models have alphas above 1, and some branch points meet gradients of different alphas
+    (Algorithm 5 rescales), so the property checks the algorithms rather than identities."""
     kinds: Counter[str] = Counter()
     alphas = rescaled = checked = 0
 
-    @seed(1)
-    @settings(max_examples=150, **_SETTINGS)
+    @seed(20261127)
+    @settings(max_examples=FAST_EXAMPLES, **_SETTINGS)
     @given(programs())
     def run(program):
         nonlocal alphas, rescaled, checked
@@ -126,6 +111,14 @@ def test_the_generated_models_exercise_what_they_are_meant_to():
     assert set(kinds) == set(KINDS), set(KINDS) - set(kinds)
     assert alphas >= 0.4 * checked, (alphas, checked)
     assert rescaled >= 0.04 * checked, (rescaled, checked)
+
+
+@pytest.mark.slow
+@seed(7)
+@settings(max_examples=FULL_EXAMPLES, **_SETTINGS)
+@given(programs(max_ops=14))
+def test_thousands_of_generated_models_get_plain_backprop_gradients(program):
+    check_program(program)
 
 
 # ------------------------------------------------------------------------------------------ planted bugs
