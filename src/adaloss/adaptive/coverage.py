@@ -20,7 +20,6 @@
 
 from __future__ import annotations
 
-import operator
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -35,6 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from adaloss.adaptive.attention import AttentionCore, LeafGEMMs, Product
+from adaloss.adaptive.mutation import is_view_op
 from adaloss.adaptive.ops import AdaptiveState, GemmPoint, ScaledGEMM
 from adaloss.adaptive.transform import AdaptiveGEMM, FunctionalGEMM, ParamUnscaleModule, UnscaledParams
 
@@ -82,12 +82,8 @@ _MOVE_OPS = frozenset(
     getattr(torch.ops.aten, n) for n in ("_cudnn_rnn_flatten_weight",) if hasattr(torch.ops.aten, n)
 )
 
-#: Ops through which a parameter stays the same values (a view, a transpose, a cast): followed when looking
-#: for what consumes a parameter.
-_VIEW_NAMES = frozenset(
-    "t T mT transpose permute view reshape contiguous flatten unflatten squeeze unsqueeze expand narrow "
-    "chunk split to type float half bfloat16 double".split()
-)
+#: Casts, through which a parameter keeps its values (views: :func:`adaloss.adaptive.mutation.is_view_op`).
+_CASTS = frozenset({"to", "type", "float", "half", "bfloat16", "double"})
 
 
 @dataclass(frozen=True)
@@ -379,10 +375,9 @@ def _param_uses(model: fx.GraphModule, graph: fx.Graph) -> dict[str, tuple[str, 
 
 def _is_view(node: fx.Node) -> bool:
     """A node that passes its first argument's values on as they are (a view, a transpose, a cast)."""
-    if node.op == "call_function" and node.target in (operator.getitem, getattr):
+    if is_view_op(node) or (node.op == "call_method" and node.target in _CASTS):
         return True
-    target = node.target if node.op == "call_method" else getattr(node.target, "__name__", None)
-    return node.op in ("call_method", "call_function") and target in _VIEW_NAMES
+    return node.op == "call_function" and node.target is getattr and node.args[1:2] in (("T",), ("mT",))
 
 
 # ------------------------------------------------------------------------------------------ ATen count
