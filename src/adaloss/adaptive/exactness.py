@@ -147,7 +147,9 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
 def _outputs_equal(got: Any, expected: Any) -> bool:
     """Whether the forward outputs agree to float64 rounding (``RTOL`` of the largest output): the same
     ops, but a convolution may pick another algorithm for an input of other strides."""
-    la, lb = torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(expected)
+    detach = lambda v: v.detach() if isinstance(v, torch.Tensor) else v  # noqa: E731
+    la = [detach(v) for v in torch.utils._pytree.tree_leaves(got)]
+    lb = [detach(v) for v in torch.utils._pytree.tree_leaves(expected)]
     if len(la) != len(lb):
         return False
     tensors = [y for y in lb if isinstance(y, torch.Tensor) and y.numel()]
