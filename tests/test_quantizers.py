@@ -23,6 +23,7 @@ import copy
 import json
 import math
 from collections.abc import Callable
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,7 @@ from adaloss.numerics.quantizers import (
     GradSite,
     MXBlockScaling,
     current_scale,
+    delayed_update,
     mx_exponents,
     quantize_grad,
     recipe_from_config,
@@ -66,9 +68,9 @@ def _quantize(recipe: Any, x: torch.Tensor, fmt=E4M3, key: str = "g", dim: int =
 
 def test_current_scaling_scale_and_te_fallbacks() -> None:
     plain = CurrentScaling()
-    # 448 / 3.5 = 128 exactly; 448 / 3 = 149.333... (FP32: 149.33333)
+    # 448 / 3.5 = 128 exactly; 448 / 3 = 149.333... rounds once to the FP32 149.33332824707031 (bitwise below)
     assert current_scale(_t(3.5), 448.0, plain).item() == 128.0
-    assert current_scale(_t(3.0), 448.0, plain).item() == pytest.approx(448.0 / 3.0, rel=1e-7)
+    assert current_scale(_t(3.0), 448.0, plain).item() == 149.3333282470703
     # amax 0, Inf and NaN keep the scale 1 (TE returns 1.f before dividing)
     assert current_scale(_t(0.0, math.inf, math.nan), 448.0, plain).tolist() == [1.0, 1.0, 1.0]
     # an amax so small that 448 / amax overflows FP32 (2^-149 * 2^128 > 448) gets FP32's largest value
@@ -101,6 +103,110 @@ def test_current_scaling_dequantizes_and_rescues_values_plain_fp8_flushes() -> N
     # an Inf element keeps the scale 1 for the tensor and stays Inf (the loss scalers see the overflow)
     out = _quantize(CurrentScaling(), _t(math.inf, 0.3, 2.0**-12))
     assert out[0].item() == math.inf and out[1].item() == pytest.approx(0.3125) and out[2].item() == 0.0
+
+
+# ---- the scales are the formula rounded once (TE's __fdiv_rn(max_fp8, amax)) ----------------------------
+
+
+def _rounded_once(numerator: float, amax: torch.Tensor) -> torch.Tensor:
+    """``numerator / amax`` correctly rounded to float32, the reference for every FP8 scale.
+
+    Divided in float64, then rounded to float32. The double rounding is innocuous: for a quotient of two
+    values of precision p = 24 computed in a precision p' >= 2p + 2 = 50 (float64 has p' = 53), rounding to
+    p' bits then to p bits gives the correctly rounded p-bit result (Figueroa, "When is double rounding
+    innocuous?", 1995); the quotients here are normal in float64, and the final float32 rounding handles
+    subnormals and overflow as IEEE does. :func:`test_the_reference_is_correctly_rounded` checks it with
+    exact rational arithmetic. (``numerator / amax`` on a float32 tensor is not this: torch evaluates
+    ``float / tensor`` as ``amax.reciprocal() * numerator``, two float32 roundings.)"""
+    return (numerator / amax.double()).float()
+
+
+def _random_amaxes(n: int = 10_000) -> torch.Tensor:
+    """``n`` float32 amaxes log-uniform over 1e-8 .. 1e5, plus those whose E4M3 / E5M2 quotient is a power
+    of two (``1.75 * 2^j``: ``fp8_max = 1.75 * 2^k`` for both formats)."""
+    gen = torch.Generator().manual_seed(37)
+    logs = torch.empty(n, dtype=torch.float64).uniform_(-8.0, 5.0, generator=gen)
+    pow2_quotients = torch.tensor([1.75 * 2.0**j for j in range(-27, 17)], dtype=torch.float64)
+    return torch.cat([10.0**logs, pow2_quotients]).float()
+
+
+def test_the_reference_is_correctly_rounded() -> None:
+    # exact rationals: the reference is at least as close to numerator / amax as its two float32 neighbours
+    amax = _random_amaxes(2000)
+    for fp8_max in (448.0, 57344.0):
+        ref = _rounded_once(fp8_max, amax)
+        down = torch.nextafter(ref, torch.zeros_like(ref))
+        up = torch.nextafter(ref, torch.full_like(ref, math.inf))
+        for a, r, lo, hi in zip(amax.tolist(), ref.tolist(), down.tolist(), up.tolist(), strict=True):
+            exact = Fraction(fp8_max) / Fraction(a)
+            err = abs(Fraction(r) - exact)
+            assert err <= abs(Fraction(lo) - exact) and err <= abs(Fraction(hi) - exact)
+
+
+def test_current_scale_golden_vectors_are_rounded_once() -> None:
+    # 448 / 3 = 149.3333...: rounded once, 149.33332824707031 (reciprocal-then-multiply: 149.33334350585938)
+    assert current_scale(_t(3.0), 448.0, CurrentScaling()).item() == 149.3333282470703
+    # 3 * 149.33332824707031 = 447.99998 rounds to E4M3's 448, and 448 * fl(1 / scale) is 3 again (the
+    # two-rounding scale gave 2.9999998)
+    probe = Probe(E4M3)
+    out = quantize_grad(_t(3.0), E4M3, GradSite(GradQuantizer(CurrentScaling(), E4M3), "g", -1), probe)
+    assert out.tolist() == [3.0] and probe.scale_min.item() == 149.3333282470703
+    # 6.5394811e-06 * 149.33332824707031 rounds in FP32 to 2^-10, half E4M3's smallest subnormal: a tie,
+    # to even 0 (the two-rounding scale put the product just above the tie: 2^-9, stored as 1.3078961e-05)
+    out = _quantize(CurrentScaling(), _t(3.0, 6.5394811e-06))
+    assert out.tolist() == [3.0, 0.0]
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_current_scale_is_bitwise_the_formula_rounded_once(fmt) -> None:
+    amax = _random_amaxes()
+    ref = _rounded_once(fmt.u_max, amax)
+    assert torch.equal(current_scale(amax, fmt.u_max, CurrentScaling()), ref)
+    # power_2_scale starts from the rounded quotient: TE clears the mantissa bits of the FP32 scale
+    _, exp = torch.frexp(ref)
+    pow2 = torch.ldexp(torch.ones_like(ref), exp - 1)
+    assert torch.equal(current_scale(amax, fmt.u_max, CurrentScaling(power_2_scale=True)), pow2)
+    # through the quantizer: the scale it reports for a tensor of amax a is the same, bitwise
+    for a, r in zip(amax[:: len(amax) // 50], ref[:: len(amax) // 50], strict=True):
+        probe = Probe(fmt)
+        quantize_grad(
+            torch.stack([a, a / 3]), fmt, GradSite(GradQuantizer(CurrentScaling(), fmt), "g", -1), probe
+        )
+        assert probe.scale_min.item() == r.item()
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize(("margin", "compute", "n"), [(0, "max", 10_000), (3, "most_recent", 1000)])
+def test_delayed_scale_is_bitwise_the_formula_rounded_once(fmt, margin: int, compute: str, n: int) -> None:
+    # every update's scale is (fp8_max / amax) / 2^margin, the chosen amax from a window of 3, rounded once
+    # (about 0.15 ms per update: the margin case on fewer amaxes)
+    recipe = DelayedScaling(history_len=3, margin=margin, amax_compute=compute)
+    amaxes = _random_amaxes(n)
+    history, scale, scales = torch.zeros(3), torch.ones(()), []
+    for amax in amaxes:
+        history, scale = delayed_update(history, scale, amax, fmt.u_max, recipe)
+        scales.append(scale)
+    window = amaxes.double().unfold(0, 3, 1).amax(dim=1)  # the max of each step and the 2 before it
+    chosen = torch.cat([torch.stack([amaxes[0].double(), amaxes[:2].double().max()]), window])
+    chosen = chosen if compute == "max" else amaxes.double()
+    assert torch.equal(torch.stack(scales), ((fmt.u_max / chosen) / 2.0**margin).float())
+
+
+def test_delayed_scale_golden_vectors_and_overflow_as_te() -> None:
+    # the scale from the history's amax 3 is 149.33332824707031, and the next step stores [3, 6.5394811e-06]
+    # as [3, 0] (the two-rounding scale gave [2.9999998, 1.3078961e-05])
+    quantizer = GradQuantizer(DelayedScaling(history_len=4), E4M3)
+    site = GradSite(quantizer, "g", -1)
+    quantize_grad(_t(3.0), E4M3, site)
+    assert quantizer.state_dict()["sites"]["g"]["scale"].item() == 149.3333282470703
+    assert quantize_grad(_t(3.0, 6.5394811e-06), E4M3, site).tolist() == [3.0, 0.0]
+    # TE's kernel divides fp8_max * 2^-margin by the amax: with amax 2^-120, 448 / amax = 1.75 * 2^128
+    # overflows but 1.75 * 2^126 (margin 2) does not; a scale that does overflow is FP32's largest value
+    # (the kernel's isinf check), not Inf
+    one, h = torch.ones(()), torch.zeros(2)
+    assert delayed_update(h, one, _t(2.0**-120), 448.0, DelayedScaling(margin=2))[1].item() == 1.75 * 2.0**126
+    assert delayed_update(h, one, _t(2.0**-120), 448.0, DelayedScaling())[1].item() == F32_MAX
+    assert delayed_update(h, one, _t(2.0**-149), 448.0, DelayedScaling(margin=3))[1].item() == F32_MAX
 
 
 # ---- tensor_delayed: TE DelayedScaling and delayed_scaling.cu ----------------------------------------------

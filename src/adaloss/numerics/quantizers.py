@@ -20,13 +20,17 @@ each GEMM's backward and keeps the weight-gradient output in higher precision; t
 stored all of these in the gradient format, and the quantizers keep that scope, so ``none`` and the other
 recipes differ only in scaling.
 
-The stored value is ``round(clamp(x * s, -fp8_max, fp8_max)) / s``: scaled values past the format's largest
-finite value saturate (TE's and the OCP conversion's behaviour), and an element that is Inf or NaN stays
-as it is so the loss scalers still see the overflow (also under ``none`` for E4M3, whose torch cast would
-turn Inf into 448). The recipe is data (the frozen dataclasses below);
-:class:`GradQuantizer` is the one mechanism that applies any of them, and :func:`quantize_grad` is the one
-call a backward node makes. Nothing here synchronizes host and device: amaxes, scales and histories stay
-tensors.
+Every scale is the published formula rounded once to FP32: ``fp8_max / amax`` is one IEEE division (TE's
+``__fdiv_rn``), never ``amax.reciprocal() * fp8_max``, which is what torch makes of ``float / tensor`` and
+which misses the correctly rounded scale for about a quarter of amaxes.
+
+The stored value is ``round(clamp(x * s, -fp8_max, fp8_max)) * s_inv``, ``s_inv = 1 / s`` rounded to FP32
+(TE's ``scale_inv``): scaled values past the format's largest finite value saturate (TE's and the OCP
+conversion's behaviour), and an element that is Inf or NaN stays as it is so the loss scalers still see the
+overflow (also under ``none`` for E4M3, whose torch cast would turn Inf into 448). The recipe is data (the
+frozen dataclasses below); :class:`GradQuantizer` is the one mechanism that applies any of them, and
+:func:`quantize_grad` is the one call a backward node makes. Nothing here synchronizes host and device:
+amaxes, scales and histories stay tensors.
 """
 
 from __future__ import annotations
@@ -73,9 +77,9 @@ class GlobalScaling:
 class CurrentScaling:
     """Recipe ``tensor_current`` (TE ``Float8CurrentScaling``): one scale per tensor from its own amax.
 
-    ``amax = max(max|x|, amax_epsilon)``; ``s = fp8_max / amax``. Fallbacks (as TE's
-    ``compute_scale_from_amax``): an amax of 0, Inf or NaN keeps ``s = 1``; an ``s`` that overflows FP32
-    becomes the largest FP32 value.
+    ``amax = max(max|x|, amax_epsilon)``; ``s = fp8_max / amax``, one FP32 division rounded to nearest even
+    (TE's ``__fdiv_rn(max_fp8, amax)``). Fallbacks (as TE's ``compute_scale_from_amax``): an amax of 0, Inf
+    or NaN keeps ``s = 1``; an ``s`` that overflows FP32 becomes the largest FP32 value.
     With ``power_2_scale`` the scale is then rounded down to a power of two (``2^floor(log2 s)``, TE keeps the
     exponent bits of the FP32 scale), so scaling is exact and the largest element lands in ``(fp8_max/2,
     fp8_max]``.
@@ -103,7 +107,10 @@ class DelayedScaling:
     Each gradient site keeps an amax history of ``history_len`` steps and a scale (1 at first). A step
     quantizes with the scale it has, then updates as TE's ``amax_and_scale_update`` does: the new amax goes
     into the window, ``amax = max(window)`` (``max``) or the new amax (``most_recent``), and ``s = (fp8_max /
-    amax) / 2^margin``; an amax of 0, Inf or NaN keeps the previous scale. The window holds the last
+    amax) / 2^margin``, computed as TE's kernel does: ``scaled_max = fp8_max * 2^-margin`` (exact), then one
+    FP32 division ``scaled_max / amax`` rounded to nearest even, which is the formula rounded once (for
+    margins up to 149); an ``s`` that overflows FP32 becomes the largest FP32 value (TE); an amax of 0, Inf
+    or NaN keeps the previous scale. The window holds the last
     ``history_len`` amaxes, so a non-finite amax (an overflowing step) freezes the scale under ``max`` until
     it has left the window, as in TE. Values the stale scale pushes past ``fp8_max`` saturate. The state is
     part of the run (:meth:`GradQuantizer.state_dict`).
@@ -221,13 +228,23 @@ def _check_field(recipe: str, key: str, default: Any, value: Any) -> Any:
 # ----------------------------------------------------------------------------------------- the formulas
 
 
+def divide_once(numerator: float, denominator: torch.Tensor) -> torch.Tensor:
+    """``numerator / denominator`` rounded once to float32 (IEEE division, round to nearest even), as TE's
+    ``__fdiv_rn(max_fp8, amax)``. ``python_float / tensor`` would not be: torch evaluates it as
+    ``denominator.reciprocal() * numerator``, two roundings, which miss the correctly rounded quotient for
+    about a quarter of float32 amaxes. The numerator is filled on the denominator's device (no host-to-device
+    copy); ``denominator`` is a float32 tensor of any shape."""
+    return torch.full_like(denominator, numerator) / denominator
+
+
 def current_scale(amax: torch.Tensor, fp8_max: float, recipe: CurrentScaling) -> torch.Tensor:
-    """``fp8_max / max(amax, amax_epsilon)`` with TE's fallbacks and optional power-of-two floor (see
-    :class:`CurrentScaling`). ``amax`` is a float32 tensor of any shape; no host sync."""
+    """``fp8_max / max(amax, amax_epsilon)``, one correctly rounded float32 division, with TE's fallbacks and
+    optional power-of-two floor (see :class:`CurrentScaling`). ``amax`` is a float32 tensor of any shape; no
+    host sync."""
     amax = amax.float()
     if recipe.amax_epsilon > 0.0:
         amax = torch.where(amax < recipe.amax_epsilon, torch.full_like(amax, recipe.amax_epsilon), amax)
-    scale = fp8_max / amax
+    scale = divide_once(fp8_max, amax)
     scale = torch.where(torch.isinf(scale), torch.full_like(scale, FLOAT32_MAX), scale)
     keep = (amax == 0) | ~torch.isfinite(amax)
     scale = torch.where(keep, torch.ones_like(scale), scale)
@@ -255,7 +272,9 @@ def delayed_update(
     """
     current = torch.cat([amax.float().reshape(1), history[1:]])
     chosen = current.max() if recipe.amax_compute == "max" else current[0]
-    new_scale = (fp8_max / chosen) / 2.0**recipe.margin
+    # TE's kernel: scaled_max = fp8_max * 2^-margin (exact), then one division scaled_max / amax
+    new_scale = divide_once(math.ldexp(fp8_max, -recipe.margin), chosen)
+    new_scale = torch.where(torch.isinf(new_scale), torch.full_like(new_scale, FLOAT32_MAX), new_scale)
     keep = (chosen == 0) | ~torch.isfinite(chosen)
     new_scale = torch.where(keep, scale, new_scale)
     if current.numel() == 1:
@@ -277,8 +296,9 @@ def mx_exponents(amax: torch.Tensor, fp8_max: float, rounding: str) -> torch.Ten
         # amax / fp8_max = (mant / max_mant) * 2^(exp - max_exp), and mant / max_mant is in (0.5, 2): its
         # log2 is in (-1, 0] exactly when mant <= max_mant, else in (0, 1)
         e = exp - max_exp + (mant > max_mant).to(exp.dtype)
-    else:  # rceil: the FP32 quotient, rounded up to a power of two
-        q_mant, q_exp = torch.frexp(amax / fp8_max)
+    else:  # rceil: the FP32 quotient (one rounding: on CUDA ``amax / float`` is ``amax * (1 / float)``),
+        # rounded up to a power of two
+        q_mant, q_exp = torch.frexp(amax / amax.new_full((), fp8_max))
         e = q_exp - (q_mant == 0.5).to(q_exp.dtype)
         e = torch.where(q_mant == 0, torch.full_like(e, E8M0_MIN_EXP), e)
     e = torch.where(amax == 0, torch.full_like(e, E8M0_MIN_EXP), e)
@@ -394,7 +414,8 @@ class GradQuantizer:
         finite = torch.isfinite(scaled)
         saturated = (finite & (scaled.abs() > fp8_max)).sum() if stats else None
         rounded = round_to_format(scaled.clamp(-fp8_max, fp8_max), self.fmt)
-        out = torch.where(finite, rounded * (1.0 / scale).to(x.dtype), scaled)
+        # dequantized with TE's scale_inv = 1 / scale (one rounding), not a division by the scale
+        out = torch.where(finite, rounded * torch.reciprocal(scale).to(x.dtype), scaled)
         return out, saturated
 
     def _quantize_blocks(
