@@ -39,7 +39,7 @@ format: setup ## ruff auto-format and fix
 demo: setup ## train ResNet-20 on digits under FP32 and every FP16 scaler; print the comparison table
 	$(PY) scripts/demo.py
 
-bench: setup ## step-time ratios (emulated FP16 / FP32, scalers / none, telemetry; the tiny GPT), dispatched ops per step -> results/bench/bench.json, docs/performance.md
+bench: setup ## step-time ratios (emulated FP16 / FP32, scalers / none, telemetry; the tiny GPT; the host-bound step eager and compiled), dispatched ops per step -> results/bench/bench.json, docs/performance.md
 	$(PY) scripts/bench.py
 	$(PY) scripts/render_docs.py stamp results/bench/bench.json --command "make bench"
 	$(PY) scripts/render_docs.py

@@ -1,12 +1,14 @@
 """Step-time ratios of the training configurations, measured interleaved in one process: ``adaloss.bench``.
 
-    python scripts/bench.py                    # make bench: ResNets, the tiny GPT, op counts (~15 min)
+    python scripts/bench.py                    # make bench: ResNets, tiny GPT, host-bound step, op counts
     python scripts/bench.py --quick            # seconds: ResNet-20, batch 8, 2 rounds
     python scripts/bench.py --opcounts only    # the dispatched-ops table alone
     python scripts/bench.py --gpt only         # the tiny GPT alone
+    python scripts/bench.py --hostbound only   # the host-bound step alone, eager and compiled (Inductor)
 
-Results go to ``results/bench/bench.json`` (``opcounts.json``, ``gpt.json`` for the ``only`` runs; ``--out``
-elsewhere); ``--help`` lists the options, and :mod:`adaloss.bench`'s docstring says how and why it measures.
+Results go to ``results/bench/bench.json`` (``opcounts.json``, ``gpt.json``, ``hostbound.json`` for the
+``only`` runs; ``--out`` elsewhere); ``--help`` lists the options, and :mod:`adaloss.bench`'s docstring says
+how and why it measures.
 """
 
 import sys

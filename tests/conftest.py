@@ -121,3 +121,44 @@ def make_full_cfg(tmp_path: Path, single_thread: None) -> Callable[..., DictConf
 def cfg_tiny(make_cfg: Callable[..., DictConfig]) -> DictConfig:
     """The default configuration (ResNet-20, FP16, no scaling) shrunk to a 2-iteration CPU run."""
     return make_cfg()
+
+
+class _TinyNet(torch.nn.Module):
+    """A conv, a batch norm, a residual branch and a linear head: every kind of point the adaptive scaler
+    rewrites, small enough to compile in seconds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(4)
+        self.head = torch.nn.Linear(4, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.bn(self.conv(x)))
+        h = h + torch.relu(h)
+        return self.head(h.mean((2, 3)))
+
+
+@pytest.fixture
+def tiny_timed_model(monkeypatch: pytest.MonkeyPatch, single_thread: None) -> Callable[[int | None], None]:
+    """Make :mod:`adaloss.gpucheck`'s timed model (whatever its name) a :class:`_TinyNet` on 4x4 images, so
+    that compiled steps (``time_steps(..., backend="aot_eager")``) compile in seconds on the CPU. Call it
+    (``tiny_timed_model()``); ``tiny_timed_model(n)``: each built model's batches grow to 5x5 images after
+    its first ``n``, which makes Dynamo compile again when it sees them."""
+    import adaloss.gpucheck as gpucheck
+
+    def install(grow_after: int | None = None) -> None:
+        def build(name: str, device: str, image_size: int = 32) -> tuple[torch.nn.Module, Callable]:
+            made = [0]
+
+            def images(batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+                made[0] += 1
+                side = 5 if grow_after is not None and made[0] > grow_after else 4
+                x = torch.randn(batch, 3, side, side, device=device)
+                return x, torch.randint(0, 10, (batch,), device=device)
+
+            return _TinyNet().to(device), images
+
+        monkeypatch.setattr(gpucheck, "_model", build)
+
+    return install

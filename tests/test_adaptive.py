@@ -559,10 +559,13 @@ def test_resume_into_a_different_model_is_refused():
     scaler = AdaptiveLossScaler(update_every=1)
     _train_steps(scaler, _cifar("resnet20"), 1)
     other = AdaptiveLossScaler(update_every=1)
-    model = other.attach(_cifar("resnet56"))
-    other.load_state_dict(scaler.state_dict())
+    other.attach(_cifar("resnet56"))
     with pytest.raises(ConfigError, match="different model"):
-        other.scale(nn.functional.cross_entropy(model(torch.randn(2, 3, 8, 8)), torch.tensor([0, 1])))
+        other.load_state_dict(scaler.state_dict())
+    late = AdaptiveLossScaler(update_every=1)  # a state loaded before attach() is checked there
+    late.load_state_dict(scaler.state_dict())
+    with pytest.raises(ConfigError, match="different model"):
+        late.attach(_cifar("resnet56"))
 
 
 @pytest.mark.parametrize("rule", ["reference", "paper"])
@@ -685,30 +688,37 @@ def test_unfreezing_recomputes_on_the_next_step():
     assert all(torch.isfinite(w).all() for w in weights)
 
 
-def test_reaching_an_unplanned_branch_point_on_a_reuse_step_is_a_clear_error():
-    """A change that the requires_grad signature cannot see (simulated here by overwriting it) must not
-    sum gradients of different scales unnoticed: the reuse pass names the point and the fix."""
+def test_reaching_an_unplanned_point_on_a_reuse_step_skips_the_step_and_recomputes():
+    """A change that the requires_grad signature cannot see (simulated here by hiding it) must not sum
+    gradients of different scales unnoticed: the points without scales hold NaN in the scale buffers, so
+    the reuse pass that reaches them makes NaN gradients, the step is skipped like an overflow and the
+    next one recomputes the scales and applies."""
     from adaloss.numerics.emulation import EmulatedAutocast
 
     scaler, model = _frozen_resnet20()
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))
-    for step in range(2):
-        if step == 1:
-            for p in model.parameters():
-                p.requires_grad_(True)
+
+    def step() -> None:
         with EmulatedAutocast(FP16):
             loss = nn.functional.cross_entropy(model(x), y)
-        if step == 0:
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad(set_to_none=True)
-            continue
-        reach = scaler.state.reach  # hide the change from the scaler
-        reach.at_recompute, reach.requested = reach.latest, False
-        with pytest.raises(RuntimeError, match="needs a gradient now but got none"):
-            scaler.scale(loss).backward()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    assert scaler.last_pass == "recompute" and not scaler.last_step_skipped
+    for p in model.parameters():
+        p.requires_grad_(True)
+    scaler.state.has_unreached = lambda: False  # hide the change from the scaler
+    before = [p.detach().clone() for p in model.parameters()]
+    step()
+    assert scaler.last_pass == "reuse" and scaler.last_step_skipped
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    step()
+    assert scaler.last_pass == "recompute" and not scaler.last_step_skipped
+    assert not any(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
 
 
 # ----------------------------------------------------------------------------------------- numerical effect

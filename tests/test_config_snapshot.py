@@ -153,6 +153,8 @@ NEW_KEYS: dict[str, Any] = {
     "dataset.stdlib": None,  # pystdlib: another folder of sources (tests); null: this Python's
     "model.vocab_size": None,  # a GPT's: null follows the dataset
     "model.block_size": None,
+    "trainer.compile": False,  # torch.compile of the training step (issue 34), off by default
+    "trainer.compile_mode": "default",
 }
 
 #: The task each bundled dataset selects (``override /task`` in configs/dataset/); the others classification.

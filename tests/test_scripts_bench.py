@@ -79,7 +79,8 @@ def test_bench_quick_writes_every_ratio(bench, tmp_path: Path, capsys, one_threa
     bench.main([*argv, "--out", str(out)])
     payload = json.loads(out.read_text())
     assert payload["settings"]["clock"] == "cpu" and timing._CLOCK is specs.CLOCKS["wall"]  # restored
-    assert payload["op_counts"] is None and payload["gpt"] is None  # --quick leaves both out
+    assert payload["op_counts"] is None and payload["gpt"] is None  # --quick leaves these out
+    assert payload["hostbound"] is None
     assert set(specs.RATIO_KEYS) == set(BENCH_RATIOS)
     for key in BENCH_RATIOS:
         entry = payload["ratios"][f"{key}/resnet20"]
@@ -334,7 +335,8 @@ def test_bench_op_counts_tiny(tmp_path: Path, capsys, one_thread) -> None:
     # The low alpha_{N+1} regime does what it is for: some betas are not 1 (none are at alpha_{N+1} = 1
     # on this freshly initialized model), and each costs ops on a reuse step.
     assert counts["adaptive_reuse_low"]["betas_not_1"] > counts["adaptive_reuse"]["betas_not_1"] == 0
-    assert counts["adaptive_reuse_low"]["ops"] > counts["adaptive_reuse"]["ops"]
+    # the scales are read from device buffers: which of them are 1 no longer changes a reuse step's ops
+    assert counts["adaptive_reuse_low"]["ops"] == counts["adaptive_reuse"]["ops"]
     assert counts["adaptive_recompute"]["ops"] > counts["adaptive_reuse"]["ops"] >= counts["dynamic"]["ops"]
     for kind in kinds[1:]:
         assert res["ratios"][kind] == pytest.approx(counts[kind]["ops"] / counts["dynamic"]["ops"])
@@ -435,10 +437,105 @@ def test_a_copied_bench_script_writes_into_its_own_checkout(tmp_path: Path, monk
     assert module.main(["--gpt", "only"])["out"] == str(tmp_path / "results" / "bench" / "gpt.json")
 
 
+HOSTBOUND_ROWS = [
+    "dynamic",
+    "adaptive_u1",
+    "adaptive_u100 (amortized)",
+    "adaptive_u100, a reuse step",
+    "adaptive_u100, a recompute step",
+]
+
+
+def _rows(printed: str) -> list[list[str]]:
+    return [
+        [c.strip() for c in line.strip().strip("|").split("|")]
+        for line in printed.splitlines()
+        if line.startswith("| ")
+    ]
+
+
 def test_the_host_bound_bench_prints_the_ratios_to_dynamic(capsys) -> None:
+    """``python -m adaloss.bench.hostbound --backend none``: the eager columns alone, on ResNet-20."""
     from adaloss.bench import hostbound
 
-    assert hostbound.main(["--rounds", "1"]) == 0
-    rows = capsys.readouterr().out.splitlines()[2:]
-    assert [row.split(" | ")[0] for row in rows] == ["| dynamic", "| adaptive_u1", "| adaptive_u100"]
-    assert rows[0].endswith("| 1.000x |")
+    assert hostbound.main(["--rounds", "1", "--backend", "none"]) == 0
+    printed = capsys.readouterr().out
+    rows = _rows(printed)
+    assert rows[0] == ["configuration", "eager ms/step", "eager / dynamic"]
+    assert [r[0] for r in rows[2:]] == HOSTBOUND_ROWS
+    assert rows[2][2] == "1.000x" and "compiled" not in printed
+
+
+def test_the_host_bound_bench_prints_eager_and_compiled_side_by_side(capsys, tiny_timed_model) -> None:
+    """With a backend the eager and the compiled steps take turns in the same rounds; the compiled
+    columns' ratios are the compiled steps' own, against issue 34's goals, and what Dynamo made is said:
+    here aot_eager on a tiny model, which compiles in seconds (Inductor on ResNet-20: minutes)."""
+    from adaloss.bench import hostbound
+
+    tiny_timed_model()
+    result = hostbound.measure(rounds=2, backend="aot_eager")
+    assert set(result["ms"]) == {"eager", "compiled"} and result["rounds"] == 2
+    compiled = result["ms"]["compiled"]
+    assert [compiled[k]["graphs"] for k in ("dynamic", "adaptive_u1", "adaptive_u100")] == [1, 1, 2]
+    assert all(compiled[k]["recompiles"] == 0 for k in compiled)
+    text = hostbound.render(result)
+    rows = _rows(text)
+    assert rows[0] == [
+        "configuration",
+        "eager ms/step",
+        "eager / dynamic",
+        "compiled ms/step",
+        "compiled / dynamic",
+    ]
+    assert [r[0] for r in rows[2:]] == HOSTBOUND_ROWS
+    assert rows[2][2] == rows[2][4] == "1.000x"
+    u100 = result["ratios"]["compiled"]["adaptive_u100_over_dynamic"]
+    assert rows[4][4] == f"{u100:.3f}x"
+    verdict = "PASS" if u100 <= 1.05 else "over goal"
+    assert f"compiled adaptive_u100_over_dynamic: <= 1.05x; measured {u100:.3f}x: {verdict}." in text
+    assert "graphs per configuration dynamic 1, adaptive_u1 1, adaptive_u100 2; graph breaks 0" in text
+    assert "recompiles after the warm-up round 0." in text
+
+
+def test_bench_host_bound_section(tmp_path: Path, capsys, tiny_timed_model, monkeypatch) -> None:
+    """``--hostbound only`` writes the host-bound step's table alone (``results/bench/hostbound.json`` by
+    default), which the performance page's bench region renders like the others."""
+    from adaloss.docgen import regions
+
+    tiny_timed_model()
+    out = tmp_path / "results" / "bench" / "hostbound.json"
+    argv = ["--hostbound", "only", "--hostbound-rounds", "2", "--hostbound-backend", "aot_eager"]
+    payload = cli.main([*argv, "--out", str(out)])
+    assert json.loads(out.read_text())["hostbound"]["ratios"] == payload["hostbound"]["ratios"]
+    section = payload["hostbound"]
+    assert section["backend"] == "aot_eager" and section["rounds"] == section["rounds_asked"] == 2
+    assert set(section["ratios"]) == {"eager", "compiled"}
+    assert payload["table_markdown"] == section["table_markdown"]
+    assert "### Host-bound step, eager and compiled" in capsys.readouterr().out
+    page = regions.bench(tmp_path)
+    assert "#### Host-bound step, eager and compiled" in page and "| compiled ms/step |" in page
+
+
+def test_bench_host_bound_switch(capsys) -> None:
+    assert cli.parse_args([]).hostbound == "on"
+    assert cli.parse_args(["--quick"]).hostbound == "off"
+    only = cli.parse_args(["--hostbound", "only"])
+    assert only.out.endswith("hostbound.json") and only.hostbound_backend == "inductor"
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--gpt", "only", "--hostbound", "only"])
+    assert "--gpt only and --hostbound only exclude each other" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--hostbound-rounds", "0"])
+
+
+def test_bench_host_bound_follows_the_resnets(tmp_path: Path, capsys, one_thread) -> None:
+    """``--hostbound on`` after a (quick, paired) ResNet-20 run: its table follows the ResNets' in the
+    JSON's table_markdown; eager only here (``--hostbound-backend none``), ResNet-20 itself."""
+    out = tmp_path / "bench.json"
+    argv = ["--quick", "--rounds", "1", "--batch", "4", "--configs", "fp16_dynamic,fp16_adaptive_u100"]
+    argv += ["--hostbound", "on", "--hostbound-rounds", "1", "--hostbound-backend", "none"]
+    payload = cli.main([*argv, "--out", str(out)])
+    text = payload["table_markdown"]
+    assert text.index("### Step-time ratios") < text.index("### Host-bound step, eager (ResNet-20")
+    assert payload["hostbound"]["backend"] is None and set(payload["hostbound"]["ms"]) == {"eager"}
+    assert json.loads(out.read_text())["hostbound"]["rounds"] == 1

@@ -151,6 +151,9 @@ def each(obj: Any, name: str, example: Any, **bounds: Any) -> None:
 
 # ------------------------------------------------------------------------------------------- top level
 
+#: The values of ``trainer.compile_mode``: ``torch.compile``'s modes (``default`` passes ``mode=None``).
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
+
 
 @dataclass
 class TrainerConf:
@@ -170,6 +173,8 @@ class TrainerConf:
     checkpoint_every: int | None = "${trainer.eval_every}"  # type: ignore[assignment]
     keep_checkpoints: int = 2
     save_final: bool = False
+    compile: bool = False
+    compile_mode: str = "default"
 
     def __post_init__(self) -> None:
         for key, example in (("batch_size", 128), ("eval_batch_size", 500), ("eval_every", 2000)):
@@ -192,6 +197,7 @@ class TrainerConf:
         choice(self, "on_divergence", ("fail", "record"))
         positive_int(self, "checkpoint_every", 1000, optional=True)
         number(self, "keep_checkpoints", 2, 0, integer=True)
+        choice(self, "compile_mode", COMPILE_MODES)
 
 
 @dataclass

@@ -183,7 +183,7 @@ def check_gradients(
     its unscaled gradients with plain backprop's on the same batches (``model`` itself is not changed).
 
     ``batches``: the positional inputs of each step; the first step recomputes the scales, the others reuse
-    them (``update_every=len(batches)``), so a reuse step runs on host copies of them. ``loss_fn(output)``
+    them (``update_every=len(batches)``), reading them from the scale buffers. ``loss_fn(output)``
     makes the loss; scale it down (e.g. by 1e-9) so that the betas exceed 1 and the alphas differ between
     branches, or the check checks little. ``scaler_options`` go to ``AdaptiveLossScaler``. Every forward
     pass is seeded with ``seed`` (dropout draws the same masks). Runs on the CPU; float64 and float32

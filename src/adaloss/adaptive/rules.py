@@ -56,8 +56,6 @@ from dataclasses import dataclass
 
 import torch
 
-from adaloss.utils.device import host_to_device
-
 __all__ = [
     "RULES",
     "ScaleRule",
@@ -144,6 +142,8 @@ class ScaleRule:
     def __post_init__(self) -> None:
         if self.name not in RULES:
             raise ValueError(f"unknown scale rule {self.name!r}; choose one of {', '.join(RULES)}")
+        # the quantile once, as a float: layer_constants also runs in backward passes (traced, compiled)
+        object.__setattr__(self, "_quantile", _erfinv_factor(self.t_uf))
 
     @property
     def reference(self) -> bool:
@@ -159,7 +159,7 @@ class ScaleRule:
     def layer_constants(self, n_w: int, fan_in: int) -> tuple[float, float]:
         """``(A, B)`` of the module docstring for a layer with ``n_w`` weights and backward fan-in ``F``,
         in double (the float32 rounding happens once, where they are stored)."""
-        a = self.u_min * math.sqrt(n_w) / _erfinv_factor(self.t_uf)
+        a = self.u_min * math.sqrt(n_w) / self._quantile
         if not self.reference:
             return a, self.u_max
         return a / math.sqrt(0.5 * fan_in), self.u_max / fan_in
@@ -187,12 +187,19 @@ class ScaleRule:
 @functools.lru_cache(maxsize=8)
 def _low(dtype: torch.dtype, device: str) -> torch.Tensor:
     """``[1, 0, 0, 0, 0]``: the reference rule's ``max(q0, 1)`` as one elementwise maximum. Made once per
-    device and dtype (a host-to-device copy the first time, queued without a sync: the scaler makes it when
-    it is armed)."""
-    return host_to_device([1.0, 0.0, 0.0, 0.0, 0.0], dtype, device)
+    device and dtype, by a fill on the device (no host-to-device copy)."""
+    return _make_low(dtype, torch.device(device))
+
+
+def _make_low(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    low = torch.zeros(5, dtype=dtype, device=device)
+    low[:1].fill_(1.0)
+    return low
 
 
 def _low_like(q: torch.Tensor) -> torch.Tensor:
+    if torch.compiler.is_compiling():  # a constant of the traced graph; the cache is for eager calls
+        return _make_low(q.dtype, q.device)
     return _low(q.dtype, str(q.device))
 
 
@@ -237,6 +244,25 @@ def weight_factors(weights: list[torch.Tensor], table: torch.Tensor) -> torch.Te
         maxs = torch.stack(torch._foreach_max(torch._foreach_abs(weights))).to(norms.dtype)
     upper = table[:, 1] / maxs
     return torch.stack([table[:, 0] / norms, upper, upper, table[:, 2], table[:, 3]], dim=1)
+
+
+def layer_weight_factors(
+    weight: torch.Tensor, lower_constant: float, upper_constant: float, caps: tuple[float, float]
+) -> torch.Tensor:
+    """The weight's part of Algorithm 4 for one GEMM layer, the 5-vector ``[A' / ||W||, B / max|W|, B /
+    max|W|, scale cap, accumulation cap]`` of :class:`ScaleRule` (``A' = A sqrt(n_g)``,
+    :meth:`ScaleRule.lower_constant`), in float32 (float64 for a float64 weight). The constants are
+    filled into device tensors (no host-to-device copy) and rounded there once, as a stored table of
+    them would be. Two reductions and a few 0-dim ops; no host sync."""
+    red = None if weight.dtype in (torch.float32, torch.float64) else torch.float32
+    norm = torch.linalg.vector_norm(weight, dtype=red)
+    top = max_magnitude(weight).to(norm.dtype)
+    upper = torch.full_like(norm, upper_constant) / top
+    scale_cap, accum_cap = caps
+    return torch.stack(
+        [torch.full_like(norm, lower_constant) / norm, upper, upper, norm.new_full((), scale_cap),
+         norm.new_full((), accum_cap)]
+    )  # fmt: skip
 
 
 def max_magnitude(x: torch.Tensor) -> torch.Tensor:

@@ -163,7 +163,9 @@ class BranchModule(nn.Module):
     def forward(self, *xs: Any) -> tuple[Any, ...]:
         is_tensor = [isinstance(x, torch.Tensor) for x in xs]
         if all(is_tensor):
-            return Rescale.apply(self.point, self.state, *xs)
+            if len(xs) > 1 and all(x is xs[0] for x in xs):  # one tensor, n consumers: passed once
+                return Rescale.apply(self.point, self.state, len(xs), xs[0])
+            return Rescale.apply(self.point, self.state, 1, *xs)
         # fx cannot tell a tensor from a shape or an int: a value that is not a tensor passes unchanged (in
         # Rescale's place an empty tensor that no gradient reaches, so the consumers keep their positions)
         for x, t in zip(xs, is_tensor, strict=True):
@@ -174,7 +176,7 @@ class BranchModule(nn.Module):
             return xs
         empty = torch.empty(0)
         outs = Rescale.apply(
-            self.point, self.state, *(x if t else empty for x, t in zip(xs, is_tensor, strict=True))
+            self.point, self.state, 1, *(x if t else empty for x, t in zip(xs, is_tensor, strict=True))
         )
         return tuple(o if t else x for o, x, t in zip(outs, xs, is_tensor, strict=True))
 
@@ -450,6 +452,8 @@ def attach_adaptive(model: nn.Module, state: AdaptiveState, product_betas: bool 
     gm = rewrite.gm
     gm.graph.lint()
     gm.recompile()
+    first = next(iter(gm.parameters()), None)
+    state.allocate(first.device if first is not None else torch.device("cpu"))
     return gm
 
 

@@ -66,6 +66,16 @@ betas (``product_betas``). Its goals (issue 22): the amortized adaptive step at 
 a recompute step at most 1.25x.
 About a minute (``--gpt-budget``); ``--gpt only`` runs it alone (``results/bench/gpt.json``).
 
+The host-bound step, eager and compiled (``--hostbound on|off|only``, issue 34): after the tiny GPT,
+:mod:`adaloss.bench.hostbound` times ResNet-20 on two 8x8 images in FP32 on one thread, a step that is
+mostly Python and op dispatch as a GPU step is at the sizes ``make gpu-check`` times, eagerly and compiled
+(``torch.compile(scaler.attach(model), fullgraph=True)``, ``--hostbound-backend``, Inductor by default;
+``none``: eager only), the eager and compiled steps taking turns in the same rounds (``--hostbound-rounds``,
+40, within ``--hostbound-budget`` seconds, 120; compiling comes first, 1-5 minutes on the shared 2-core
+machine, longer with a cold Inductor cache). Its goals for the compiled steps: adaptive ``update_every=100``
+at most 1.05x a dynamic step, ``update_every=1`` at most 1.5x. ``--hostbound only`` runs it alone
+(``results/bench/hostbound.json``).
+
 Dispatched ops per step, a GPU-cost proxy (``--opcounts on|off|only``): no GPU is available here, and on
 a GPU a step's host cost is largely one kernel launch per dispatched op, so after the timing the script
 counts the ATen ops of one dynamic step and of adaptive reuse and recompute steps (ResNet-20 and -110),
@@ -77,12 +87,16 @@ the batch size or the machine's load, so one small batch suffices (checked each 
 counted and how.
 
 Cost: the default run keeps to ``--budget`` seconds (840 s), shared among the models; deeper models get
-fewer rounds and fewer steps per round; the op counts add about a minute. ``--quick`` is a seconds-long
-smoke run (no op counts). Raw per-step timings (with their kinds and cycles), every ratio and the op
-counts go to ``--out`` (``results/bench/bench.json``; ``--opcounts only``: ``results/bench/opcounts.json``).
+fewer rounds and fewer steps per round; the tiny GPT keeps to ``--gpt-budget`` (240 s), the host-bound
+step's timed rounds to ``--hostbound-budget`` (120 s) after its compiling, and the op counts add about a
+minute. ``--quick`` is a seconds-long smoke run (no tiny GPT, host-bound step or op counts). Raw per-step
+timings (with their kinds and cycles), every ratio, the host-bound step's times and compile counts, and the
+op counts go to ``--out`` (``results/bench/bench.json``; ``--opcounts only``:
+``results/bench/opcounts.json``).
 
 Modules: :mod:`~adaloss.bench.specs` (the configurations and ratio definitions), :mod:`~adaloss.bench.timing`
 (the runners and interleaved rounds), :mod:`~adaloss.bench.stats` (ratios per round, medians, A/A between
-copies), :mod:`~adaloss.bench.opcounts` (the dispatched-ops counter), :mod:`~adaloss.bench.report` (the
+copies), :mod:`~adaloss.bench.hostbound` (the host-bound step, eager and compiled),
+:mod:`~adaloss.bench.opcounts` (the dispatched-ops counter), :mod:`~adaloss.bench.report` (the
 tables), :mod:`~adaloss.bench.cli` (the command line; ``scripts/bench.py`` calls its ``main``).
 """

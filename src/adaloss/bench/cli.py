@@ -1,6 +1,6 @@
 """The bench's command line (``scripts/bench.py``, ``make bench``): its options, and the run they ask for
-(the ResNets' ratios, the tiny GPT's, the op counts, or one of the last two alone), printed and written to
-JSON."""
+(the ResNets' ratios, the tiny GPT's, the host-bound step eager and compiled, the op counts, or one of the
+last three alone), printed and written to JSON."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 import adaloss.bench as _package
-from adaloss.bench import timing
+from adaloss.bench import hostbound, timing
 from adaloss.bench.opcounts import OP_BATCH, OP_MODELS, measure_op_counts
 from adaloss.bench.report import render, render_gpt, render_op_counts
 from adaloss.bench.specs import (
@@ -32,7 +32,7 @@ from adaloss.bench.specs import (
 )
 from adaloss.bench.stats import replica_ratios, summarize
 from adaloss.bench.timing import ModelResult, measure_model
-from adaloss.reports.measurement import ROOT, machine_info, write_json
+from adaloss.reports.measurement import ROOT, header_line, machine_info, write_json
 
 Log = Callable[[str], None]
 
@@ -109,7 +109,35 @@ def _add_section_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--gpt-budget", type=float, default=240.0, help="seconds for the tiny GPT's rounds (default 240)"
     )
+    _add_hostbound_options(p)
     p.add_argument("--out", default=None, help="JSON output (default results/bench/bench.json)")
+
+
+def _add_hostbound_options(p: argparse.ArgumentParser) -> None:
+    """The host-bound step's switch, rounds, budget and compiler backend (:mod:`adaloss.bench.hostbound`)."""
+    p.add_argument(
+        "--hostbound",
+        choices=("on", "off", "only"),
+        default=None,
+        help="the host-bound step's table, eager and compiled: on (default; off with --quick), off, or\n"
+        "only (no ResNets, no tiny GPT, no op counts; default --out results/bench/hostbound.json)",
+    )
+    p.add_argument(
+        "--hostbound-rounds", type=int, default=40, help="timed rounds of the host-bound step (default 40)"
+    )
+    p.add_argument(
+        "--hostbound-budget",
+        type=float,
+        default=120.0,
+        help="seconds for the host-bound step's timed rounds (default 120; compiling comes first, 1-5\n"
+        "minutes on 2 cores)",
+    )
+    p.add_argument(
+        "--hostbound-backend",
+        default="inductor",
+        help="torch.compile backend of the host-bound step's compiled columns (default inductor; none:\n"
+        "eager only)",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -139,9 +167,15 @@ def parse_args(argv: Sequence[str] | None, root: Path = ROOT) -> argparse.Namesp
             p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     args.opcounts = args.opcounts or ("off" if args.quick else "on")
     args.gpt = args.gpt or ("off" if args.quick else "on")
-    if args.gpt == "only" and args.opcounts == "only":
-        p.error("--gpt only and --opcounts only exclude each other: run them one at a time")
-    name = {"only": "gpt.json"}.get(args.gpt, "opcounts.json" if args.opcounts == "only" else "bench.json")
+    args.hostbound = args.hostbound or ("off" if args.quick else "on")
+    only = [name for name in ("gpt", "opcounts", "hostbound") if getattr(args, name) == "only"]
+    if len(only) > 1:
+        p.error(f"{' and '.join(f'--{n} only' for n in only)} exclude each other: run them one at a time")
+    if args.hostbound_rounds < 1:
+        p.error(f"--hostbound-rounds must be positive, got {args.hostbound_rounds}")
+    name = {"gpt": "gpt.json", "opcounts": "opcounts.json", "hostbound": "hostbound.json"}.get(
+        only[0] if only else "", "bench.json"
+    )
     args.out = args.out or str(root / "results" / "bench" / name)
     keys = [s.key for s in SPECS]
     chosen = [c for item in (args.configs or keys) for c in item.split(",") if c]
@@ -185,11 +219,18 @@ def _log(msg: str) -> None:
 
 
 def _run(args: argparse.Namespace, log: Log = _log) -> dict[str, Any]:
-    """The run the options ask for: the op counts alone, the tiny GPT alone, or the ResNets' ratios
-    followed by the tiny GPT's and the op counts (each when on)."""
+    """The run the options ask for: the op counts alone, the host-bound step alone, the tiny GPT alone, or
+    the ResNets' ratios followed by the tiny GPT's, the host-bound step and the op counts (each when on)."""
     info = machine_info()
     if args.opcounts == "only":
         return _run_op_counts(args, info, log)
+    if args.hostbound == "only":
+        t0 = time.perf_counter()
+        section = _hostbound_section(args, info, log)
+        settings = {"argv": args.argv, "threads": 1}
+        payload = {"machine": info, "settings": settings, "hostbound": section}
+        payload["table_markdown"] = section["table_markdown"]
+        return _write(args, payload, t0, log)
     if args.gpt == "only":
         t0 = time.perf_counter()
         gpt = _gpt_section(args, info, log)
@@ -207,6 +248,11 @@ def _run(args: argparse.Namespace, log: Log = _log) -> dict[str, Any]:
         print(flush=True)
         gpt = _gpt_section(args, info, log)
         text += "\n\n" + gpt["table_markdown"]
+    host = None
+    if args.hostbound == "on":
+        print(flush=True)
+        host = _hostbound_section(args, info, log)
+        text += "\n\n" + host["table_markdown"]
     op_counts = None
     if args.opcounts == "on":
         print(flush=True)
@@ -218,6 +264,7 @@ def _run(args: argparse.Namespace, log: Log = _log) -> dict[str, Any]:
         "ratios": ratios,
         "models": {r.model: _model_payload(r) for r in results},
         "gpt": gpt,
+        "hostbound": host,
         "op_counts": op_counts,
         "table_markdown": text,
     }
@@ -316,6 +363,22 @@ def _gpt_section(args: argparse.Namespace, info: dict[str, Any], log: Log) -> di
         "configs": [{"key": s.key, "scaler": s.scaler, "extra": s.extra} for s in GPT_SPECS],
         "table_markdown": text,
     }
+
+
+def _hostbound_section(args: argparse.Namespace, info: dict[str, Any], log: Log) -> dict[str, Any]:
+    """Time the host-bound step eagerly and compiled (:mod:`adaloss.bench.hostbound`), print its table;
+    returns its step times, ratios, compile counts and table."""
+    backend = None if args.hostbound_backend == "none" else args.hostbound_backend
+    log(
+        f"[bench] host-bound step: eager{f' and compiled ({backend})' if backend else ''}, "
+        f"{args.hostbound_rounds} rounds within {args.hostbound_budget:.0f}s"
+        + (" (compiling first: 1-5 min)" if backend else "")
+    )
+    result = hostbound.measure(args.hostbound_rounds, backend=backend, budget_s=args.hostbound_budget)
+    text = hostbound.render(result, header_line(info))
+    print(text, flush=True)
+    asked = {"rounds_asked": args.hostbound_rounds, "budget_s": args.hostbound_budget}
+    return {**result, **asked, "table_markdown": text}
 
 
 def _op_count_section(args: argparse.Namespace, info: dict[str, Any], log: Log) -> tuple[dict[str, Any], str]:

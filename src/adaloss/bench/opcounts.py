@@ -182,11 +182,9 @@ def _counted_step(name: str, run: Run, kind: OpKind, x: torch.Tensor, y: torch.T
         recomputed = getattr(scaler, "last_pass", None) == "recompute"
         if not scaler.last_step_skipped and (state is None or recomputed is kind.recompute):
             out = counter.summary()
-            if state is not None:  # which scales were not 1 (a reuse step's op count depends on it)
-                host = state.host
-                out["betas_not_1"] = sum(b != 1.0 for b in (host.beta if host else []))
-                factors = [f for f in (host.branch_factors if host else []) if f is not None]
-                out["branches_not_1"] = sum(any(v != 1.0 for v in f) for f in factors)
+            if state is not None:  # which scales were not 1 (read after the step: a sync, not counted)
+                out["betas_not_1"] = sum(b not in (1.0, None) for b in scaler.layer_betas().values())
+                out["branches_not_1"] = sum(scaler.branch_rescaled().values())
             return out
     raise RuntimeError(f"{name}: no clean {kind.key} step in 10 tries (every one overflowed)")
 
@@ -195,8 +193,8 @@ def count_step_ops(name: str, batch: int, seed: int = 0) -> dict[str, Any]:
     """Dispatched ops of one training step of each kind in ``OP_KINDS`` for model ``name``.
 
     The steps run under real CPU FP16 autocast (``torch.autocast("cpu", dtype=torch.float16)``) with the
-    adaptive scaler (statistics, betas and alphas as tensors on recompute steps, host copies of the betas
-    in between: the code every device runs) and ``update_every=100``, so
+    adaptive scaler (statistics, betas and alphas computed into its device buffers on recompute steps and
+    read from them in between: the code every device runs) and ``update_every=100``, so
     the ops are those a GPU step dispatches. A recompute step is requested with ``recompute_next()``. SGD
     (momentum 0.9) runs its ``foreach`` implementation, PyTorch's default for CUDA parameters (the CPU
     default is a per-parameter loop). A step is forward + loss + scaled backward + ``scaler.step`` +

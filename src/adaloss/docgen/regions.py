@@ -199,7 +199,44 @@ def _gpu_section(path: Path, root: Path) -> str:
             f"| {r['adaptive_u100_over_dynamic']:.3f}x | {dyn['kernel_reuse']:.2f} "
             f"| {r['kernel_u1_over_dynamic']:.3f}x | {r['kernel_u100_over_dynamic']:.3f}x |"
         )
+    if any(t.get("compiled") for t in data["timing"].values()):
+        rows += ["", *_gpu_compiled_rows(data["timing"])]
     return "\n".join(rows)
+
+
+def _gpu_compiled_rows(timing: dict) -> list[str]:
+    """The compiled steps of a ``make gpu-check`` result (``adaloss.gpucheck``, issue 34): per model and
+    ``torch.compile`` mode, the ratios in wall and kernel time, the compiled dynamic step against the
+    eager one, and what Dynamo made (graphs of the dynamic, u=1 and u=100 steps; breaks; recompiles)."""
+    rows = [
+        'Compiled (`torch.compile(attached model, fullgraph=True, backend="inductor", mode=...)`), in the '
+        "same rounds as the eager steps:",
+        "",
+        "| model | mode | dynamic ms/step | compiled / eager dynamic | u=1 / dynamic | u=100 / dynamic "
+        "(amortized) | dynamic kernel ms/step | kernel time: u=1 / dynamic | kernel time: u=100 / dynamic "
+        "| graphs (dynamic, u=1, u=100) | graph breaks | recompiles |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for model, t in timing.items():
+        for mode, c in t.get("compiled", {}).items():
+            if "error" in c:
+                rows.append(f"| {model} | {mode} | error: {c['error'].strip().splitlines()[0]} |" + " |" * 9)
+                continue
+            r, dyn, counts = c["ratios"], c["ms"]["dynamic"], c["compile"]
+            kernel = (
+                f"{dyn['kernel_reuse']:.2f} | {r['kernel_u1_over_dynamic']:.3f}x "
+                f"| {r['kernel_u100_over_dynamic']:.3f}x"
+                if "kernel_reuse" in dyn
+                else "n/a | n/a | n/a"
+            )
+            rows.append(
+                f"| {model} | {mode} | {dyn['step']:.2f} | {dyn['step'] / t['ms']['dynamic']['step']:.3f}x "
+                f"| {r['adaptive_u1_over_dynamic']:.3f}x | {r['adaptive_u100_over_dynamic']:.3f}x | {kernel} "
+                f"| {', '.join(str(n['graphs']) for n in counts.values())} "
+                f"| {sum(n['graph_breaks'] for n in counts.values())} "
+                f"| {sum(n['recompiles'] for n in counts.values())} |"
+            )
+    return rows
 
 
 #: region name -> what renders it. A page may hold any of them; every one must appear on some page.

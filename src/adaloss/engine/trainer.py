@@ -16,6 +16,10 @@ recompute its per-layer scales (``scalars.csv`` records their range every iterat
 Checkpoints (``trainer.checkpoint_every``) and ``resume=`` are described in :mod:`adaloss.engine.checkpoint`:
 a resumed run continues bitwise as the uninterrupted run would have (on the CPU, with ``num_workers=0``).
 
+``trainer.compile=true`` (:mod:`adaloss.engine.compiling`): the loop calls a ``torch.compile``d wrapper of the
+module (DDP around it), eagerly on telemetry steps and for the CPU emulation; everything else (state dicts,
+evaluation, callbacks) uses the uncompiled module, which shares its parameters.
+
 Data parallel (``torchrun --nproc_per_node=N train.py ...``; :mod:`adaloss.distributed`): one process per
 device, DistributedDataParallel over NCCL (CUDA) or gloo (CPU). What a run means does not depend on ``N``:
 
@@ -72,6 +76,7 @@ from adaloss.engine.checkpoint import (
     config_key,
     save_atomic,
 )
+from adaloss.engine.compiling import StepCompiler
 from adaloss.engine.faults import DivergenceGuard, GradientFaults, SkippedStepReport, TrainingDiverged
 from adaloss.engine.optim import build_optimizer, build_schedule
 from adaloss.engine.run_folder import (
@@ -227,7 +232,8 @@ class _Run:
     provenance: dict[str, Any]
     scaler: LossScaler
     module: nn.Module  # the unwrapped module: state dicts, evaluation, layer names
-    model: nn.Module  # what the loop calls: module, or module in DDP
+    model: nn.Module  # what the loop calls: module (trainer.compile: compiled), or that in DDP
+    compiler: StepCompiler  # trainer.compile: which steps run compiled, the compile time
     optimizer: torch.optim.Optimizer
     scheduler: Any
     monitor: UnderflowMonitor
@@ -276,9 +282,11 @@ def _build(cfg: DictConfig, run_dir: Path, config: dict[str, Any], ranks: DistIn
     # weight/activation format); None for an fp32 run.
     scaler = build_scaler(cfg.scaler, precision.grad_format)
     module = precision.prepare(scaler.attach(task.model))
-    # DDP last (it must see the transformed module); ``module`` stays the unwrapped one: state dicts,
-    # evaluation, layer names. One process: model is module.
-    model = ranks.wrap(module)
+    # trainer.compile: a compiled wrapper sharing module's parameters; DDP last, around it (it must see the
+    # transformed module); ``module`` stays the unwrapped one: state dicts, evaluation, layer names. One
+    # process, not compiled: model is module.
+    compiler = StepCompiler(module, bool(cfg.trainer.compile), str(cfg.trainer.compile_mode), precision)
+    model = ranks.wrap(compiler.model)
     optimizer = build_optimizer(cfg.optimizer, module)  # the same parameter objects as model's
     scheduler = build_schedule(cfg.schedule, optimizer, steps)
     if ranks.rank > 0:  # independent random augmentation per rank (after the identical initialization)
@@ -304,8 +312,8 @@ def _build(cfg: DictConfig, run_dir: Path, config: dict[str, Any], ranks: DistIn
     )
     return _Run(
         cfg, run_dir, config, ranks, started, task, info, test_loader, steps, full_steps, precision,
-        provenance, scaler, module, model, optimizer, scheduler, monitor, guard, faults, checkpoints, key,
-        batches, window, progress, parts,
+        provenance, scaler, module, model, compiler, optimizer, scheduler, monitor, guard, faults,
+        checkpoints, key, batches, window, progress, parts,
     )  # fmt: skip
 
 
@@ -420,7 +428,10 @@ def _loop(run: _Run, callbacks: Sequence[StepCallback], stop: StopRequests) -> T
 
                 # forward + loss in the training format; a telemetry step also counts underflow
                 telemetry_step = run.monitor.due(step, run.steps)  # also the last iteration
-                with run.precision.autocast(monitor=run.monitor if telemetry_step else None):
+                with (
+                    run.precision.autocast(monitor=run.monitor if telemetry_step else None),
+                    run.compiler.stance(telemetry_step),  # telemetry, emulation: eagerly
+                ):
                     loss, outputs = task.loss(model, batch)
                 # backward through the loss scale; step unless a gradient is Inf/NaN
                 run.faults.arm(step + 1)  # test hook (faults.inject): nothing happens unless configured
@@ -450,6 +461,7 @@ def _loop(run: _Run, callbacks: Sequence[StepCallback], stop: StopRequests) -> T
                 elapsed = time.perf_counter() - tick  # honest on CUDA too: scaler.step synced
                 run.progress.train_time += elapsed
                 run.window_time += elapsed
+                run.compiler.step_done(telemetry_step, elapsed)  # the first compiled step: logged once
 
                 if telemetry_step:
                     _record_telemetry(run)
@@ -650,6 +662,7 @@ def _metrics(run: _Run, diverged: TrainingDiverged | None) -> dict[str, Any]:
         "wall_time_s": time.perf_counter() - run.started,
         "images_per_s": run.done * int(run.cfg.trainer.batch_size) / max(progress.train_time, 1e-9),
         "world_size": run.ranks.world_size,
+        **run.compiler.metrics(),  # trainer.compile: mode, the first compiled step's time
         "provenance": run.provenance,
         **(
             {"data": run.info.source} if getattr(run.info, "source", None) else {}

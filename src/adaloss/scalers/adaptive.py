@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from adaloss.adaptive.coverage import Coverage, build_coverage, recurrent_layers
-from adaloss.adaptive.ops import AdaptiveState, GradSignature, HostScales
 from adaloss.adaptive.rules import NO_BOUND, REFERENCE_FP16_U_MIN, RULES, ScaleRule
+from adaloss.adaptive.state import AdaptiveState, GradSignature
 from adaloss.adaptive.transform import attach_adaptive
 from adaloss.errors import ConfigError
 from adaloss.numerics.emulation import is_low_precision, mark_low_precision
@@ -30,6 +30,8 @@ _ROOT_FLOOR = 2.0**-24
 _BINS, _BIN_OFFSET = 300, 160
 #: The values of ``root`` (``scaler.root``): how alpha_{N+1}, the scale of the loss gradient, is chosen.
 ROOTS = ("fixed", "dynamic", "adaptive")
+#: What a checkpoint holds of the scale buffers (``_extra_state``).
+_SCALE_KEYS = ("layers", "betas", "branches", "branch_alphas", "branch_factors", "slot_alphas")
 
 
 class AdaptiveLossScaler(LossScaler):
@@ -96,14 +98,19 @@ class AdaptiveLossScaler(LossScaler):
 
     A change of ``alpha_{N+1}`` recomputes the betas on the next step.
 
-    After each recompute step (with ``update_every > 1``) the betas, branch factors and branch alphas
-    are copied to the host in one sync, and the steps in between run on those floats (see
-    :mod:`adaloss.adaptive.ops`). The same code runs on every device: on the CPU, in the emulation, the
-    code a GPU runs. Under gradient accumulation every
+    Every alpha, beta and branch factor lives in device tensors allocated at ``attach`` (fixed addresses,
+    :class:`~adaloss.adaptive.state.ScaleBuffers`): a recompute pass writes them in place, the passes in
+    between read them there, and whether a pass recomputes is decided before its forward pass (by
+    ``update()``, or ``recompute_next()``). So ``torch.compile(scaler.attach(model), fullgraph=True)``
+    traces the model with Algorithm 3 inside, one graph per pass kind, and the scales changing never
+    recompile it. The same code runs on every device: on the CPU, in the emulation, the code a GPU runs,
+    eager or compiled. Under gradient accumulation every
     ``scale()`` of one iteration uses the betas of its first backward pass. Layers and branch points that no
     gradient reaches (frozen layers while fine-tuning, a model input used by two layers) get no scales, and
     the steps in between go without them; the attached model notes at each forward pass which parameters
     and inputs require gradients, and a change there (unfreezing a stage) makes that step a recompute step.
+    A reuse pass that reaches a point without scales anyway (what the flags cannot see, or a compiled
+    model, which skips that note) makes NaN gradients: the step is skipped and the next one recomputes.
 
     Copies: ``copy.deepcopy`` and ``pickle`` give an independent scaler with the same state (see
     ``__getstate__``); attach it to a model with the same layers. Differences from GradScaler, deliberate:
@@ -143,10 +150,10 @@ class AdaptiveLossScaler(LossScaler):
     ``alpha_{N+1}``; ``get_growth_factor()`` is 2.0 and ``get_backoff_factor()`` 0.5, fixed: ``alpha_{N+1}``
     stays a power of two, so every gradient unscales exactly (their setters accept only those values).
     Host-device syncs: ``scale``, ``unscale_``, ``recompute_next``, the getters and setters: none;
-    ``step``: one (the Inf/NaN flag); ``update``: one on a step that recomputed the scales (with
-    ``update_every > 1``), one more on a step that measured the loss gradient (``root="adaptive"``), else
-    none; ``layer_scales``/``layer_betas``: one (none right after a reuse step);
-    ``branch_rescaled``: one per branch point; ``state_dict``: one per per-layer device tensor.
+    ``step``: one (the Inf/NaN flag); ``update``: one on a step that measured the loss gradient
+    (``root="adaptive"``), else none; ``layer_scales``/``layer_betas``: one for both per recompute;
+    ``branch_rescaled``: one; ``state_dict``: one; the attached model's forward pass: one when the
+    parameters' ``requires_grad`` flags changed since the last recompute (to read which points have scales).
 
     Args:
         device (str or torch.device, optional, default=None): As GradScaler's first argument (see
@@ -260,11 +267,11 @@ class AdaptiveLossScaler(LossScaler):
         self._force_recompute = True
         self._recomputing = False
         self._scaled_this_iteration = False
-        self._consecutive_overflows = 0
-        self._clean_steps = 0
+        self._consecutive_overflows, self._clean_steps = 0, 0
         self._pending: dict[str, Any] | None = None
-        self._gemm_weights: list[torch.Tensor] = []
-        self._scales_cache: tuple[dict[str, float], dict[str, float]] | None = None
+        self._last_pass: str | None = None
+        # host copies of the points' alphas and betas (reporting), kept until the next recompute
+        self._scales_cache: tuple[list[float | None], list[float | None]] | None = None
         # root="adaptive": whether this iteration measures the loss gradient, what it measured (binade
         # counts and max magnitude, on the device) and the alpha_{N+1} it was measured at
         self._measure_root, self._root_stats, self._root_at = False, None, self._loss_scale
@@ -315,7 +322,10 @@ class AdaptiveLossScaler(LossScaler):
             state.reduce_fn = _StatisticsReducer(torch.distributed.new_group())
         gm = attach_adaptive(model, state, self.product_betas)
         self.state = state
-        self._gemm_weights = list(state.points.gemm_weights)
+        if self._pending is not None:  # a state_dict loaded before attach()
+            self._restore(self._pending)
+            self._pending = None
+        self._plan()
         # Which tensors need gradients, per forward pass: lets reuse steps skip points no gradient reaches
         # (frozen layers) instead of recomputing every step (see AdaptiveState.start_backward).
         gm.register_forward_pre_hook(GradSignature(state, list(gm.parameters())), with_kwargs=True)
@@ -361,50 +371,57 @@ class AdaptiveLossScaler(LossScaler):
         Without a model attached, the scaler scales the loss by ``alpha_{N+1}`` alone, as a GradScaler
         would (with this scaler's backoff and regrowth of ``alpha_{N+1}``).
 
-        The first ``scale()`` of an iteration decides whether this iteration recomputes the betas; further
-        calls before ``update()`` (gradient accumulation) reuse that decision and those betas. On a recompute
-        step, Algorithm 4's per-layer constants reach the device here, once per device and dtype (a
-        host-to-device copy, not a wait), so that the backward pass copies nothing.
+        Whether this iteration recomputes the betas was decided before its forward pass (``update()``
+        decides it for the next iteration, see :attr:`last_pass`); further calls before ``update()``
+        (gradient accumulation) reuse the betas of the first backward pass. On the device: ``alpha_{N+1}``
+        copied into the scale buffers, and on a recompute step NaN into the scales about to be computed
+        (a few device ops).
         """
         if not self._enabled:
             return outputs
         if self.state is None:  # no model attached: GradScaler's loss scaling at alpha_{N+1}
             return super().scale(outputs)
-        device = _first_tensor(outputs).device
-        self._scales_cache = None  # this backward pass writes new alphas (and maybe betas)
-        if self._pending is not None:
-            self._restore(self._pending, device)
-            self._pending = None
+        state = self.state
+        recompute = False
         if not self._scaled_this_iteration:
-            self._recomputing = (
-                self._force_recompute
-                or self.state.reach.requested
-                or self._iteration % self.update_every == 0
-            )
-            self.state.reach.requested = False
+            self._recomputing = recompute = state.kind == "recompute"
             self._scaled_this_iteration = True
-            recompute = self._recomputing
+            state.kind = "reuse"  # further forward passes of this iteration reuse this pass's betas
             # root="adaptive": measure the loss gradient on the first iteration and on the one before each
             # scheduled recompute, whose alpha_{N+1} it decides (see _follow_loss_gradient)
             self._measure_root = self.root == "adaptive" and (
                 self._iteration == 0 or (self._iteration + 1) % self.update_every == 0
             )
             self._root_stats, self._root_at = None, self._loss_scale
-        else:
-            recompute = False
-        if recompute:
-            # Algorithm 4's per-layer constants on the weights' device: any host-to-device copy happens
-            # here, before the backward pass (once per device and dtype).
-            self.state.constants.prepare(self._gemm_weights)
         # after a pass that built a graph (GradScaler's gradient-penalty recipe), a plain pass
-        plain = self.state.graph_built
-        self.state.start_backward(self._scale_tensor(device), recompute, self._loss_scale, plain)
+        plain = state.graph_built
+        if recompute:
+            self._scales_cache = None  # this backward pass writes new alphas and betas
+        state.arm(self._scale_tensor(state.buffers.device), recompute, plain)
+        self._last_pass = "plain" if plain else "recompute" if recompute else "reuse"
         return super().scale(outputs)
 
     def recompute_next(self) -> None:
         """Recompute the betas on the next step, as after an overflow (for instance after changing the
-        weights by hand, or to time a recompute step). No host sync."""
+        weights by hand, or to time a recompute step). Call it before that step's forward pass, which
+        fixes the kind of its backward pass. No host sync."""
         self._force_recompute = True
+        self._plan()
+
+    def _plan(self) -> None:
+        """Decide the kind of the next iteration's passes, before its forward pass (``AdaptiveState.kind``):
+        a recompute on schedule (every ``update_every`` iterations), after an overflow, after a change of
+        ``alpha_{N+1}`` and on request; else a reuse. Host-side; no sync."""
+        if self.state is not None and not self._scaled_this_iteration:
+            due = self._force_recompute or self._iteration % self.update_every == 0
+            self.state.kind = "recompute" if due else "reuse"
+
+    def _set_loss_scale(self, value: float) -> None:
+        """A new ``alpha_{N+1}`` (backoff, growth, ``update(new_scale)``, a loaded state): the alphas in the
+        buffers were computed under the old one, so the next step recomputes."""
+        if value != self._loss_scale:
+            self._force_recompute = True
+        super()._set_loss_scale(value)
 
     @property
     def last_pass(self) -> str | None:
@@ -415,7 +432,7 @@ class AdaptiveLossScaler(LossScaler):
         without a model attached. Host-side; no sync."""
         if self.state is None or not self._has_scaled:
             return None
-        return self.state.current.kind
+        return self._last_pass
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Finish the iteration: count it, and decide what the next one does (see the class docstring).
@@ -423,14 +440,18 @@ class AdaptiveLossScaler(LossScaler):
         ``new_scale`` sets ``alpha_{N+1}``, as GradScaler's ``update(new_scale)`` sets its scale.
 
         .. note::
-            After a step that recomputed the scales (with ``update_every > 1``) the betas, branch factors and
-            branch alphas are copied to the host here: one host-device sync per recompute. Other steps: no
-            sync (``step()`` has read the Inf/NaN flag already).
+            No sync (``step()`` has read the Inf/NaN flag already), but one on a step that measured the
+            loss gradient (``root="adaptive"``). Decides the kind of the next iteration's passes (see
+            :meth:`recompute_next`).
 
         Raises:
             ScaleNotCalledError: if no ``scale()`` call has been made yet (as GradScaler).
         """
         super().update(new_scale)
+        self._scaled_this_iteration = False
+        if self.state is not None:
+            self.state.armed = self.state.plain = self.state.graph_built = False
+        self._plan()
 
     # ------------------------------------------------------------------ GradScaler's growth and backoff
 
@@ -463,14 +484,9 @@ class AdaptiveLossScaler(LossScaler):
         _fixed_factor(new_factor, _ALPHA_BACKOFF, "backoff", "halves")
 
     def _update_scale(self, found_inf: bool) -> None:
-        """Count the iteration; move ``alpha_{N+1}`` by the ``root`` rule (class docstring); on an update
-        step copy betas and branch factors to the host (one sync)."""
+        """Count the iteration; move ``alpha_{N+1}`` by the ``root`` rule (class docstring)."""
         self._iteration += 1
-        self._scaled_this_iteration = False
         measured, self._root_stats, self._measure_root = self._root_stats, None, False
-        state = self.state
-        if state is not None:
-            state.graph_built = False
         if found_inf:
             self._force_recompute = True
             self._consecutive_overflows += 1
@@ -478,8 +494,6 @@ class AdaptiveLossScaler(LossScaler):
             # fixed, adaptive: the first overflow only recomputes the betas; dynamic: GradScaler's backoff
             if self._consecutive_overflows >= (1 if self.root == "dynamic" else 2):
                 self._set_loss_scale(backed_off(self._loss_scale, _ALPHA_BACKOFF, _ROOT_FLOOR))
-            if state is not None:
-                state.host = None
             return
         self._force_recompute = False
         self._consecutive_overflows = 0
@@ -493,8 +507,6 @@ class AdaptiveLossScaler(LossScaler):
             self._force_recompute = True
         if measured is not None:
             self._follow_loss_gradient(measured)
-        if state is not None and self._recomputing and self.update_every > 1:
-            state.fetch_host()  # the one sync per recompute
 
     # ------------------------------------------------------------------ root="adaptive"
 
@@ -585,9 +597,9 @@ class AdaptiveLossScaler(LossScaler):
 
     def layer_scales(self) -> dict[str, float]:
         """``{layer: alpha}``: the accumulated scale each conv/linear layer's gradient carried in the last
-        backward pass (the scale its weight gradient was divided by). At most one host sync per backward
-        pass for this and :meth:`layer_betas` together (none after a reuse step, whose alphas and betas are
-        host floats): a telemetry step reads both, and the result is kept until the next ``scale()``."""
+        backward pass (the scale its weight gradient was divided by). One host sync for this and
+        :meth:`layer_betas` together after each recompute pass (they are read from the device buffers, and
+        the copies serve the reuse steps after it): a telemetry step reads both."""
         return dict(self._scales_and_betas()[0])
 
     def layer_betas(self) -> dict[str, float]:
@@ -596,58 +608,38 @@ class AdaptiveLossScaler(LossScaler):
         return dict(self._scales_and_betas()[1])
 
     def branch_rescaled(self) -> dict[str, bool]:
-        """``{branch: whether its incoming gradients had different alphas}`` at the last recompute. One host
-        sync."""
-        if self.state is None:
+        """``{branch: whether its incoming gradients had different alphas}`` at the last recompute, for the
+        branch points a gradient reached then. One host sync."""
+        if self.state is None or self.state.buffers is None or not self.state.branches:
             return {}
-        names, flags = [], []
-        for point in self.state.branches:
-            flag = self.state.rescaled(point.index)
-            if flag is not None:
-                names.append(point.name)
-                flags.append(flag.reshape(()))
-        if not flags:
-            return {}
-        values = torch.stack([f.to(flags[0].device) for f in flags]).cpu().tolist()  # the one sync
-        return {n: bool(v) for n, v in zip(names, values, strict=True)}
+        buf = self.state.buffers
+        common, flags = torch.stack([buf.branch_alpha, buf.rescaled.float()]).cpu().tolist()  # the sync
+        points = self.state.branches
+        return {p.name: bool(f) for p, a, f in zip(points, common, flags, strict=True) if not math.isnan(a)}
 
     def loss_scale_metric(self) -> dict[str, float]:
         """What the logger records as the loss scale: ``layer_scales()`` (and its one sync)."""
         return self.layer_scales()
 
     def _scales_and_betas(self) -> tuple[dict[str, float], dict[str, float]]:
-        """Every layer's alpha and beta, read together: one host sync for the device tensors among them,
-        cached until the next backward pass (``scale()`` clears it)."""
-        if self._scales_cache is not None:
-            return self._scales_cache
+        """Every layer's alpha and beta, read together from the scale buffers: one host sync, the copies kept
+        until the next recompute pass (the passes in between apply the same scales: a change of
+        ``alpha_{N+1}`` recomputes). After a plain pass every alpha is ``alpha_{N+1}``."""
         if self.state is None:
             return {}, {}
-        state = self.state
-        entries = []  # (name, kind, value)
-        host_betas = state.host.beta if state.host is not None else None  # fetched copies: no sync
-        for point in state.gemms:
-            beta = state.last.beta[point.index]
-            if beta is not None and host_betas is not None:
-                beta = host_betas[point.index]
-            for kind, value in (("alpha", state.current.alpha[point.in_slot]), ("beta", beta)):
-                if value is not None:
-                    entries.append((point.name, kind, value))
-        tensors = [v.float().reshape(()) for _, _, v in entries if isinstance(v, torch.Tensor)]
-        host: list[float] = []
-        if tensors:  # the one sync
-            host = torch.stack([t.to(tensors[0].device) for t in tensors]).cpu().tolist()
-        it = iter(host)
+        if self._scales_cache is None:
+            self._scales_cache = self.state.point_scales()
+        alphas, betas = self._scales_cache
         out: tuple[dict[str, float], dict[str, float]] = ({}, {})
-        for name, kind, value in entries:
-            number = next(it) if isinstance(value, torch.Tensor) else float(value)
-            out[0 if kind == "alpha" else 1][name] = number
-        self._scales_cache = out
+        for point, alpha, beta in zip(self.state.gemms, alphas, betas, strict=True):
+            if beta is not None:
+                out[0][point.name] = self._loss_scale if self._last_pass == "plain" else alpha
+                out[1][point.name] = beta
         return out
 
     # ------------------------------------------------------------------ checkpointing
 
     def _extra_state(self) -> dict[str, Any]:
-        state = self.state
         extra: dict[str, Any] = {
             "iteration": self._iteration,
             "force_recompute": self._force_recompute,
@@ -657,34 +649,29 @@ class AdaptiveLossScaler(LossScaler):
             "root": self.root,
         }
         if self._pending is not None:
-            extra.update(
-                {
-                    k: self._pending[k]
-                    for k in (
-                        "layers",
-                        "betas",
-                        "branches",
-                        "branch_alphas",
-                        "branch_factors",
-                        "beta_host",
-                        "branch_factors_host",
-                    )
-                }
-            )
+            extra.update({k: self._pending.get(k) for k in _SCALE_KEYS})
             return extra
-        if state is None:
+        state = self.state
+        if state is None or state.buffers is None:
             return extra
+        buf = state.buffers
+        flat = torch.cat([buf.alpha, buf.beta, buf.branch_alpha, buf.branch_factors]).cpu().tolist()
+        alphas, rest = flat[: len(buf.alpha)], flat[len(buf.alpha) :]
+        betas, rest = rest[: len(buf.beta)], rest[len(buf.beta) :]
+        common, factors = rest[: len(buf.branch_alpha)], rest[len(buf.branch_alpha) :]
 
-        def host(t):
-            return None if t is None else t.float().reshape(-1).cpu().tolist()
+        def known(v: float) -> float | None:
+            return None if math.isnan(v) else v
 
         extra["layers"] = [p.name for p in state.gemms]
-        extra["betas"] = [None if b is None else host(b)[0] for b in state.last.beta]
+        extra["betas"] = [known(b) for b in betas]
         extra["branches"] = [p.name for p in state.branches]
-        extra["branch_alphas"] = [None if a is None else host(a)[0] for a in state.last.branch_alpha]
-        extra["branch_factors"] = [host(f) for f in state.last.branch_factors]
-        extra["beta_host"] = state.host.beta if state.host is not None else None
-        extra["branch_factors_host"] = state.host.branch_factors if state.host is not None else None
+        extra["branch_alphas"] = [known(a) for a in common]
+        extra["branch_factors"] = [
+            None if math.isnan(a) else factors[p.offset : p.offset + len(p.in_slots)]
+            for p, a in zip(state.branches, common, strict=True)
+        ]
+        extra["slot_alphas"] = alphas
         return extra
 
     def _load_extra_state(self, saved: dict[str, Any]) -> None:
@@ -699,22 +686,18 @@ class AdaptiveLossScaler(LossScaler):
         self._consecutive_overflows = int(saved.get("consecutive_overflows", 0))
         self._clean_steps = int(saved.get("clean_steps", 0))
         self._init_scale = float(saved.get("init_scale", self._init_scale))
-        if "betas" in saved:
-            self._pending = {
-                k: saved.get(k)
-                for k in (
-                    "layers",
-                    "betas",
-                    "branches",
-                    "branch_alphas",
-                    "branch_factors",
-                    "beta_host",
-                    "branch_factors_host",
-                )
-            }
-
-    def _restore(self, saved: dict[str, Any], device: torch.device) -> None:
         self._scales_cache = None
+        if "betas" in saved:
+            pending = {k: saved.get(k) for k in _SCALE_KEYS}
+            if self.state is None:
+                self._pending = pending  # restored by attach()
+            else:
+                self._restore(pending)
+        self._plan()
+
+    def _restore(self, saved: dict[str, Any]) -> None:
+        """Write a checkpoint's scales into the scale buffers (NaN where it had none). A checkpoint written
+        before the buffers held the slots' alphas recomputes on its first step."""
         state = self.state
         layers = [p.name for p in state.gemms]
         if saved["layers"] != layers or saved["branches"] != [p.name for p in state.branches]:
@@ -722,23 +705,29 @@ class AdaptiveLossScaler(LossScaler):
                 "the checkpoint's adaptive scaler state belongs to a different model (its layers differ); "
                 "resume with the same model config or start a fresh run"
             )
+        buf = state.buffers
 
-        def dev(v):
-            return None if v is None else torch.tensor(v, dtype=torch.float32, device=device)
+        def put(target: torch.Tensor, values: list[float | None]) -> None:
+            row = [math.nan if v is None else float(v) for v in values]
+            if row:
+                target.copy_(torch.tensor(row, dtype=torch.float32))
 
-        last = state.last
-        last.beta = [None if b is None else dev(b).reshape(()) for b in saved["betas"]]
-        last.branch_alpha = [None if a is None else dev(a).reshape(()) for a in saved["branch_alphas"]]
-        last.branch_factors = [dev(f) for f in saved["branch_factors"]]
-        # The host branch alphas are the device ones, which the checkpoint holds as floats.
-        state.host = None
-        if saved["beta_host"] is not None:
-            state.host = HostScales(
-                list(saved["beta_host"]), list(saved["branch_alphas"]), saved["branch_factors_host"]
-            )
+        put(buf.beta, saved["betas"])
+        put(buf.branch_alpha, saved["branch_alphas"])
+        factors = []
+        for point, f in zip(state.branches, saved["branch_factors"], strict=True):
+            factors += list(f) if f is not None else [None] * len(point.in_slots)
+        put(buf.branch_factors, factors)
+        if saved.get("slot_alphas") is not None:
+            put(buf.alpha, saved["slot_alphas"])
+            buf.to_root.copy_(buf.alpha[0] / buf.alpha)
+        else:
+            self._force_recompute = True
         # Points without scales in the checkpoint are fine only under the requires_grad flags they were
         # computed with, which the checkpoint does not hold: a partial state recomputes once.
         state.reach.at_recompute = None
+        if any(b is None for b in saved["betas"]):
+            self._force_recompute = True
 
 
 def _fixed_factor(value: Any, fixed: float, kind: str, verb: str) -> None:
