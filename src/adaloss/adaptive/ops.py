@@ -175,8 +175,8 @@ class ScaledGEMM(torch.autograd.Function):
     gradient before it is brought to the root scale in the FP32 master gradient; the incoming gradient
     arrives already rounded (and counted for telemetry) by the :class:`GradRound` node on its output. Under
     autocast (CUDA, or the CPU's own FP16/BF16) it computes in the autocast dtype explicitly, backward pass
-    included. ``record`` (grad mode was on at the call) lets the forward pass leave its weight in the state
-    for an FP8 recipe's gradient sites. ``carried``: the parameters of the module the layer feeds directly
+    included. ``record`` (grad mode was on at the call) gives an FP8 recipe's weight and bias gradients
+    their quantizer sites. ``carried``: the parameters of the module the layer feeds directly
     (``GemmPoint.carried``, a batch norm after a conv); the node returns a view of each beside ``y`` and
     brings their gradients to the root scale as :class:`ParamUnscale` would (the module's backward pass
     runs just before this one, and its gradient carries this layer's ``alpha_j``): one Python node fewer
@@ -507,18 +507,18 @@ def product_beta(
     """The beta of an activation-by-activation product: Algorithm 4 for each input gradient the product
     makes, with the other operand in the weight's place, combined into one scale for all of them.
 
-    ``pairs``: per input gradient ``(operand, multiplier, F, delta)``: the operand it is multiplied by
-    (times the Python float ``multiplier``, e.g. attention's ``1/sqrt(d)``), its backward fan-in, and the
-    gradient it is computed from. Each gives Algorithm 4's underflow bound ``lower_i`` and overflow bound
-    ``upper_i`` (module docstring of :mod:`adaloss.adaptive.rules`; the layer constants come from the
-    operand's size, which varies with the batch, so they are Python floats here rather than a prepared
-    table). The product's beta is the rule's beta for ``lower = max_i lower_i`` and ``upper = min_i
-    upper_i``: as large as the most demanding input asks, as long as no input passes its own overflow
-    bound (the branch point all of them would otherwise need, Algorithm 5, decided with the bounds instead
-    of the gradients, which exist only after the product's backward). Bounded, rounded down to a power of
-    two and 1 for an all-zero or non-finite gradient, as every beta. Under ``torch.distributed``
-    (``reduce_fn``) every tensor's second moment and max are combined over the ranks first, as the
-    activations differ between ranks. Cost: two reductions per tensor and a few scalar ops; no host sync.
+    ``pairs``: per input gradient ``(operand, multiplier, F, delta)``: the operand it is multiplied by (times
+    the Python float ``multiplier``, e.g. attention's ``1/sqrt(d)``), its backward fan-in, and the gradient it
+    is computed from. Each gives Algorithm 4's underflow bound ``lower_i`` and overflow bound ``upper_i``
+    (module docstring of :mod:`adaloss.adaptive.rules`; the layer constants come from the operand's size, so
+    they are Python floats, constants of a traced graph, not scales). The product's beta is the rule's beta
+    for ``lower = max_i lower_i`` and ``upper = min_i upper_i``: as large as the most demanding input asks, as
+    long as no input passes its own overflow bound (the branch point all of them would otherwise need,
+    Algorithm 5, decided with the bounds instead of the gradients, which exist only after the product's
+    backward). Bounded, rounded down to a power of two and 1 for an all-zero or non-finite gradient, as every
+    beta. Under ``torch.distributed`` (``reduce_fn``) every tensor's second moment and max are combined over
+    the ranks first, as the activations differ between ranks. Cost: two reductions per tensor and a few scalar
+    ops; no host sync.
     """
     lowers, uppers = [], []
     seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # a tensor in several pairs is read once
