@@ -335,8 +335,7 @@ def test_bench_op_counts_tiny(tmp_path: Path, capsys, one_thread) -> None:
     # The low alpha_{N+1} regime does what it is for: some betas are not 1 (none are at alpha_{N+1} = 1
     # on this freshly initialized model), and each costs ops on a reuse step.
     assert counts["adaptive_reuse_low"]["betas_not_1"] > counts["adaptive_reuse"]["betas_not_1"] == 0
-    # the scales are read from device buffers: which of them are 1 no longer changes a reuse step's ops
-    assert counts["adaptive_reuse_low"]["ops"] == counts["adaptive_reuse"]["ops"]
+    assert counts["adaptive_reuse_low"]["ops"] > counts["adaptive_reuse"]["ops"]
     assert counts["adaptive_recompute"]["ops"] > counts["adaptive_reuse"]["ops"] >= counts["dynamic"]["ops"]
     for kind in kinds[1:]:
         assert res["ratios"][kind] == pytest.approx(counts[kind]["ops"] / counts["dynamic"]["ops"])

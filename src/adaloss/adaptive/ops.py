@@ -119,6 +119,16 @@ def _read(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.clone() if torch.is_grad_enabled() else t
 
 
+def _unit(state: AdaptiveState, part: int, index: int) -> bool:
+    """Whether an eager reuse pass may skip a multiplication: the scale (``part`` 0: a beta, 1: a branch
+    factor, 2: a ``to_root`` factor) is exactly 1 by the host's flags, read once after the last recompute
+    (``AdaptiveState.note_units``). Never traced: a compiled pass multiplies by every scale."""
+    if torch.compiler.is_compiling():  # first: a traced read of ``units`` would guard the graph on it
+        return False
+    units = state.units
+    return units is not None and units[part][index]
+
+
 def _emit(state: AdaptiveState, slot: int, alpha: torch.Tensor) -> None:
     """A recompute pass's point emits ``alpha`` into ``slot``: ``alpha[slot]`` and ``to_root[slot]`` are
     written in place (two small device ops; readers of the slot run later in the same backward pass)."""
@@ -132,7 +142,7 @@ def _root_factor(state: AdaptiveState, kind: str, slot: int, device: torch.devic
     """``alpha_{N+1} / alpha`` of slot ``slot`` (a 0-dim device tensor), or None where it is 1 by
     construction (slot 0, and every slot of a plain pass): what brings a gradient carrying that alpha to
     the root scale, as every parameter gradient leaves the backward pass (exact: powers of two)."""
-    if kind == "plain" or slot == 0:
+    if kind == "plain" or slot == 0 or (kind == "reuse" and _unit(state, 2, slot)):
         return None
     return _read(state.buffers.to_root[slot], device)
 
@@ -327,7 +337,7 @@ def _point_beta(
         return None
     buf = state.buffers
     if kind == "reuse":
-        return _read(buf.beta[point.index], device)
+        return None if _unit(state, 0, point.index) else _read(buf.beta[point.index], device)
     with torch.no_grad():
         alpha_j = _on(buf.alpha[point.in_slot], device)
         beta = compute(alpha_j)
@@ -779,8 +789,8 @@ def _branch_factors(
     if kind == "recompute":
         with torch.no_grad():
             return list(_on(branch_scales(state, point, grads, present), device).unbind(0))
-    factors = state.buffers.branch_factors
-    return [_read(factors[point.offset + i], device) for i in present]
+    factors, start = state.buffers.branch_factors, point.offset
+    return [None if _unit(state, 1, start + i) else _read(factors[start + i], device) for i in present]
 
 
 def branch_scales(state: AdaptiveState, point: BranchPoint, grads: tuple, present: list[int]) -> torch.Tensor:

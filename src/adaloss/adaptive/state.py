@@ -230,6 +230,9 @@ class AdaptiveState:
         self.graph_built = False
         self.reduce_fn: Any = None
         self.fresh: dict[tuple[int, int], torch.Tensor] = {}
+        # which betas, branch factors and to_root factors are exactly 1, as the host last read them (after
+        # a recompute step): an eager reuse pass skips multiplying by those; None: unknown
+        self.units: tuple[list[bool], list[bool], list[bool]] | None = None
 
     @property
     def gemms(self) -> list[GemmPoint]:
@@ -287,9 +290,19 @@ class AdaptiveState:
         buf = self.buffers
         buf.alpha[0].copy_(root)
         if recompute:
+            self.units = None
             self.reach.at_recompute = self.reach.latest
             for t in (buf.beta, buf.branch_alpha, buf.branch_factors):
                 t.fill_(math.nan)
+
+    def note_units(self) -> None:
+        """Read which betas, branch factors and ``to_root`` factors are exactly 1 (``units``): one host sync,
+        after a recompute step, so that the eager reuse passes until the next recompute skip multiplying by
+        them (the values are still only ever read from the buffers; a compiled pass multiplies by all)."""
+        buf = self.buffers
+        flags = torch.cat([buf.beta, buf.branch_factors, buf.to_root]).eq(1.0).cpu().tolist()
+        n_beta, n_factor = len(buf.beta), len(buf.branch_factors)
+        self.units = (flags[:n_beta], flags[n_beta : n_beta + n_factor], flags[n_beta + n_factor :])
 
     def has_unreached(self) -> bool:
         """Whether some point has no scales (no gradient reached it in the last recompute pass). One host

@@ -230,17 +230,22 @@ def count_step_ops(name: str, batch: int, seed: int = 0) -> dict[str, Any]:
 
 def _same_ops_but_betas(a: dict, b: dict) -> bool:
     """Whether two counts of one step kind dispatch the same ops, op for op, up to the multiplies a reuse
-    step spends on scales that are not 1: ``delta * beta`` at each beta that is not 1, and ``alpha_{N+1} /
-    alpha`` on every parameter gradient below such a layer (a factor of 1 is skipped on the host's cached
-    copy). Which betas are 1 depends on the data, so two batch sizes may differ there and only there.
+    step spends on scales that are not 1: ``delta * beta`` at each beta that is not 1, ``alpha_{N+1} /
+    alpha`` on every parameter gradient below such a layer, a branch's sum with factors (``addcmul``) or
+    without (``add``), and the reads of those scales from the buffers (``select``): an eager reuse step
+    skips a factor the host's flags say is 1. Which scales are 1
+    depends on the data, so two batch sizes may differ there and only there.
     """
     if a["by_op"] == b["by_op"]:
         return True
-    if a.get("betas_not_1", 0) == b.get("betas_not_1", 0):
-        return False
+    allowed = set()
+    if a.get("betas_not_1", 0) != b.get("betas_not_1", 0):
+        allowed |= {"mul", "mul_", "select"}
+    if a.get("branches_not_1", 0) != b.get("branches_not_1", 0):
+        allowed |= {"mul", "mul_", "select", "add", "add_", "addcmul", "addcmul_"}
     ops = set(a["by_op"]) | set(b["by_op"])
     diff = {op for op in ops if a["by_op"].get(op, 0) != b["by_op"].get(op, 0)}
-    return diff <= {"mul", "mul_"}
+    return bool(allowed) and diff <= allowed
 
 
 def measure_op_counts(models: Sequence[str], batch: int, seed: int, log: Callable[[str], None]) -> dict:

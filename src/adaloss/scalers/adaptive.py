@@ -150,7 +150,8 @@ class AdaptiveLossScaler(LossScaler):
     ``alpha_{N+1}``; ``get_growth_factor()`` is 2.0 and ``get_backoff_factor()`` 0.5, fixed: ``alpha_{N+1}``
     stays a power of two, so every gradient unscales exactly (their setters accept only those values).
     Host-device syncs: ``scale``, ``unscale_``, ``recompute_next``, the getters and setters: none;
-    ``step``: one (the Inf/NaN flag); ``update``: one on a step that measured the loss gradient
+    ``step``: one (the Inf/NaN flag); ``update``: one on a step that recomputed the scales (with
+    ``update_every > 1``: which of them are exactly 1), one more on a step that measured the loss gradient
     (``root="adaptive"``), else none; ``layer_scales``/``layer_betas``: one for both per recompute;
     ``branch_rescaled``: one; ``state_dict``: one; the attached model's forward pass: one when the
     parameters' ``requires_grad`` flags changed since the last recompute (to read which points have scales).
@@ -440,9 +441,10 @@ class AdaptiveLossScaler(LossScaler):
         ``new_scale`` sets ``alpha_{N+1}``, as GradScaler's ``update(new_scale)`` sets its scale.
 
         .. note::
-            No sync (``step()`` has read the Inf/NaN flag already), but one on a step that measured the
-            loss gradient (``root="adaptive"``). Decides the kind of the next iteration's passes (see
-            :meth:`recompute_next`).
+            One sync on a step that recomputed the scales (with ``update_every > 1``: which are exactly
+            1, so that eager reuse steps skip multiplying by them) and one on a step that measured the loss
+            gradient (``root="adaptive"``); else none (``step()`` has read the Inf/NaN flag already).
+            Decides the kind of the next iteration's passes (see :meth:`recompute_next`).
 
         Raises:
             ScaleNotCalledError: if no ``scale()`` call has been made yet (as GradScaler).
@@ -507,6 +509,8 @@ class AdaptiveLossScaler(LossScaler):
             self._force_recompute = True
         if measured is not None:
             self._follow_loss_gradient(measured)
+        if self.state is not None and self._recomputing and self.update_every > 1:
+            self.state.note_units()  # one sync per recompute: eager reuse steps skip factors of 1
 
     # ------------------------------------------------------------------ root="adaptive"
 
