@@ -33,13 +33,20 @@ def test_without_cuda_it_says_so_in_one_line() -> None:
 
 @pytest.mark.parametrize("model", ["resnet20", "gpt"])
 def test_step_times_give_the_issue_ratios(model: str) -> None:
-    # medians over three rounds: one round of two steps let a single stall of the shared machine (a reuse
-    # step 18x a dynamic one, once in CI) decide the ratio
-    ms = time_steps(model, batch=2, device="cpu", rounds=3, steps=2, dtype=torch.bfloat16)
-    assert set(ms) == {"dynamic", "adaptive_u1", "adaptive_u100"}
-    assert ms["adaptive_u100"].keys() == {"step", "recompute", "reuse"}
-    ratios = step_ratios(ms)
-    assert all(0.1 < r < 10 for r in ratios.values()), ratios
+    # The shared machine stalls now and then for longer than a whole step (a reuse step 18x a dynamic one
+    # once in CI, a dynamic step 22x an adaptive one another time, even as medians of three rounds): a
+    # measurement out of bounds is taken again, up to three times. A bug that times the wrong thing (a step
+    # without its backward pass, say) is out of bounds every time and still fails.
+    tries = []
+    for _ in range(3):
+        ms = time_steps(model, batch=2, device="cpu", rounds=3, steps=2, dtype=torch.bfloat16)
+        assert set(ms) == {"dynamic", "adaptive_u1", "adaptive_u100"}
+        assert ms["adaptive_u100"].keys() == {"step", "recompute", "reuse"}
+        ratios = step_ratios(ms)
+        tries.append(ratios)
+        if all(0.1 < r < 10 for r in ratios.values()):
+            break
+    assert all(0.1 < r < 10 for r in tries[-1].values()), tries
 
 
 def test_autocast_gradients_are_compared_with_fp32() -> None:
