@@ -13,7 +13,8 @@ removes the run folder Hydra made for it, if that folder holds nothing but Hydra
 and the log). ``HYDRA_FULL_ERROR=1`` keeps Hydra's full report.
 
 A missing torchvision (the ``vision`` extra of ``pyproject.toml``) is bad input too: one ``error:`` line
-saying which release to install.
+saying which release to install; so is a Python without hydra or torch (a new shell where ``.venv`` is not
+activated): the line says to activate it, or to run ``make setup`` first (``scripts/_env.py``).
 
 Other endings, each one line and no traceback: a run stopped by a signal (SIGTERM, SIGINT, SIGUSR2, SIGHUP)
 logs where it saved and how to resume, and exits with ``128 + the signal number``; a write into the run
@@ -32,10 +33,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import hydra
-from omegaconf import DictConfig
-
 ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT / "scripts"))
+from _env import require_project_python  # noqa: E402 - standard library only
+
+sys.path.pop(0)
+require_project_python()  # a shell without .venv activated: one error: line naming the fix
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
 CONFIG_DIR = ROOT / "configs"
 # configs/paths/default.yaml reads the repository root from here, wherever train.py is launched from.
 os.environ.setdefault("ADALOSS_ROOT", str(ROOT))

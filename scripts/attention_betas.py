@@ -16,6 +16,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from _env import require_project_python  # noqa: E402 - standard library only; scripts/ is on sys.path
+
+require_project_python()  # a shell without .venv activated: one error: line naming the fix
+
 from adaloss.labs.attention_betas import cli  # noqa: E402
 
 

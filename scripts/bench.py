@@ -17,6 +17,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))  # a checkout without `pip install -e`
 
+from _env import require_project_python  # noqa: E402 - standard library only; scripts/ is on sys.path
+
+require_project_python()  # a shell without .venv activated: one error: line naming the fix
+
 from adaloss.bench import cli  # noqa: E402
 
 

@@ -22,6 +22,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("ADALOSS_ROOT", str(ROOT))
 
+from _env import require_project_python  # noqa: E402 - standard library only; scripts/ is on sys.path
+
+require_project_python()  # a shell without .venv activated: one error: line naming the fix
+
 from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import open_dict  # noqa: E402
 

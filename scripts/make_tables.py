@@ -11,6 +11,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # a checkout without `pip install -e`
 
+from _env import require_project_python  # noqa: E402 - standard library only; scripts/ is on sys.path
+
+require_project_python()  # a shell without .venv activated: one error: line naming the fix
+
 from adaloss.reports.tables import main  # noqa: E402
 
 if __name__ == "__main__":

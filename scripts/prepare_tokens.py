@@ -22,7 +22,11 @@ import json
 import os
 from pathlib import Path
 
-import numpy as np
+from _env import require_project_python  # noqa: E402 - standard library only; scripts/ is on sys.path
+
+require_project_python()  # a shell without .venv activated: one error: line naming the fix
+
+import numpy as np  # noqa: E402
 
 
 def _files(inputs: list[str], pattern: str) -> list[Path]:
