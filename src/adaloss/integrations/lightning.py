@@ -116,7 +116,9 @@ class _ScalerDriver:
     def forward_context(self, training: bool) -> contextlib.AbstractContextManager:
         """The precision's context; on a telemetry iteration's training passes, with the underflow monitor
         (the emulated path, so gradients are counted before and after rounding). No sync."""
-        due = training and self.monitor is not None and self.monitor.due(self.steps) and torch.is_grad_enabled()
+        due = (
+            training and self.monitor is not None and self.monitor.due(self.steps) and torch.is_grad_enabled()
+        )
         return self.precision.autocast(monitor=self.monitor if due else None)
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
@@ -255,12 +257,16 @@ class ScalerPrecision(_TrainerPrecision):
                 logger.log_metrics(telemetry, step=self._driver.steps)
         return output
 
-    def clip_gradients(self, optimizer: Any, clip_val: int | float = 0.0, gradient_clip_algorithm: Any = None):
+    def clip_gradients(
+        self, optimizer: Any, clip_val: int | float = 0.0, gradient_clip_algorithm: Any = None
+    ):
         """Clip the true gradients: unscale first (a no-op if done), so ``self.clip_gradients`` in manual
         optimization clips what automatic optimization clips. No sync."""
         if clip_val and clip_val > 0:
             self._driver.unscale(optimizer)
-        kwargs = {} if gradient_clip_algorithm is None else {"gradient_clip_algorithm": gradient_clip_algorithm}
+        kwargs = (
+            {} if gradient_clip_algorithm is None else {"gradient_clip_algorithm": gradient_clip_algorithm}
+        )
         return super().clip_gradients(optimizer, clip_val, **kwargs)
 
     def state_dict(self) -> dict[str, Any]:

@@ -1,0 +1,299 @@
+"""The Lightning plugins (:mod:`adaloss.integrations.lightning`): a real ``Trainer.fit`` and a Fabric loop on
+the CPU train a small model as a Lightning user writes it, and end with exactly the weights of our own loop
+(the order of ``examples`` in ``LossScaler``'s docstring) with the same scaler, under the FP16 emulation.
+
+The task is made for the scalers to matter: the loss is multiplied by 1e-5, so FP16 gradients underflow
+unless scaled, and the four scalers end with four different sets of weights
+(``test_the_scalers_train_differently``); equality with our loop is then equality of scaler handling.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+L = pytest.importorskip("lightning")
+
+from lightning.pytorch.loggers import Logger  # noqa: E402
+
+from adaloss.integrations.lightning import FabricScalerPrecision, ScalerPrecision  # noqa: E402
+from adaloss.precision import Precision  # noqa: E402
+from adaloss.scalers import LossScaler, build_scaler  # noqa: E402
+
+SCALERS = {
+    "none": {"name": "none"},
+    "fixed": {"name": "fixed", "scale": 1024},
+    "dynamic": {"name": "dynamic", "init_scale": 2.0**16, "growth_interval": 5},
+    "adaptive": {"name": "adaptive", "update_every": 3, "root": "adaptive"},
+}
+STEPS = 20
+LOSS_FACTOR = 1e-5  # small gradients: FP16 underflows them unless they are scaled
+
+_g = torch.Generator().manual_seed(1)
+X, Y = torch.randn(80, 8, generator=_g), torch.randint(0, 4, (80,), generator=_g)
+
+
+def loader() -> torch.utils.data.DataLoader:
+    """10 batches an epoch, in a fixed order: 20 steps are two epochs, a checkpoint at 10 ends one."""
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, Y), batch_size=8)
+
+
+class LitClassifier(L.LightningModule):
+    """A LightningModule as a user writes it."""
+
+    def __init__(self, lr: float = 1e3) -> None:
+        super().__init__()
+        self.lr = lr
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self(x), y) * LOSS_FACTOR
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+class Bypass(LitClassifier):
+    """A training_step that calls a submodule instead of the module: the adaptive rewrite never runs."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+
+class RecordingLogger(Logger):
+    """A logger that keeps what it is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[tuple[int | None, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "recording"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.records.append((step, dict(metrics)))
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+def weights(module: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in module.parameters()]
+
+
+def our_loop(name: str, clip: float | None = None, accumulate: int = 1) -> tuple[list[torch.Tensor], Any]:
+    """Our own loop (src/adaloss/engine/trainer.py's order) over the same data, ``STEPS`` iterations."""
+    torch.manual_seed(0)
+    lit = LitClassifier()
+    scaler, precision = build_scaler(SCALERS[name]), Precision("fp16", "cpu")
+    model, optimizer = scaler.attach(lit), lit.configure_optimizers()
+    batches = [batch for _ in range(STEPS * accumulate // 10) for batch in loader()]
+    clipped = 0
+    for i in range(STEPS):
+        optimizer.zero_grad(set_to_none=True)
+        for x, y in batches[i * accumulate : (i + 1) * accumulate]:
+            with precision.autocast():
+                loss = F.cross_entropy(model(x), y) * LOSS_FACTOR
+            scaler.scale(loss / accumulate).backward()
+        if clip is not None:
+            scaler.unscale_(optimizer)
+            clipped += int(nn.utils.clip_grad_norm_(model.parameters(), clip) > clip)
+        scaler.step(optimizer)
+        scaler.update()
+    assert clip is None or clipped >= STEPS // 2  # the clipping acted: a wrong order would show
+    return weights(lit), scaler
+
+
+def fit(
+    name: str, steps: int = STEPS, ckpt: Path | None = None, logger: Any = False, **trainer_args: Any
+) -> tuple[L.Trainer, LitClassifier, LossScaler]:
+    torch.manual_seed(0)
+    lit, scaler = LitClassifier(), build_scaler(SCALERS[name])
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=steps, plugins=[ScalerPrecision(scaler, telemetry_every=5)],
+        logger=logger, enable_checkpointing="callbacks" in trainer_args, enable_progress_bar=False,
+        enable_model_summary=False, **trainer_args,
+    )  # fmt: skip
+    trainer.fit(lit, loader(), ckpt_path=ckpt)
+    return trainer, lit, scaler
+
+
+def equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(p, q) for p, q in zip(a, b, strict=True))
+
+
+@pytest.fixture(scope="module")
+def ours() -> dict[str, list[torch.Tensor]]:
+    return {name: our_loop(name)[0] for name in SCALERS}
+
+
+def test_the_scalers_train_differently(ours: dict[str, list[torch.Tensor]]) -> None:
+    names = list(SCALERS)
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            assert not equal(ours[a], ours[b]), (
+                f"{a} and {b} trained alike: the task does not tell them apart"
+            )
+
+
+@pytest.mark.parametrize("name", list(SCALERS))
+def test_trainer_fit_equals_our_loop(name: str, ours: dict[str, list[torch.Tensor]]) -> None:
+    """20 steps of Trainer.fit with the plugin end with our loop's weights, bitwise; the per-layer
+    telemetry reached the module's logger every 5 iterations (and changed nothing)."""
+    logger = RecordingLogger()
+    _, lit, scaler = fit(name, logger=logger)
+    assert equal(weights(lit), ours[name])
+    telemetry = [(step, m) for step, m in logger.records if "mean_underflow_rate" in m]
+    assert [step for step, _ in telemetry] == [1, 6, 11, 16]  # after iterations 0, 5, 10, 15
+    record = telemetry[-1][1]
+    assert {"underflow_rate/net.0", "underflow_rate/net.2"} <= set(record)
+    assert all(0.0 <= record[f"underflow_rate/net.{i}"] <= 1.0 for i in (0, 2))
+    if name == "adaptive":
+        assert {k: v for k, v in record.items() if k.startswith("alpha/")} == {
+            f"alpha/{layer}": alpha for layer, alpha in scaler.layer_scales().items()
+        }
+        assert len(scaler.layer_scales()) == 2
+    else:
+        # the scale at iteration 15 (the dynamic one has grown since)
+        assert record["loss_scale"] == {"none": 1.0, "fixed": 1024.0, "dynamic": 2.0**19}[name]
+    if name == "none":
+        assert telemetry[0][1]["mean_underflow_rate"] > 0  # unscaled FP16 gradients lose values here
+
+
+@pytest.mark.parametrize("name", ["dynamic", "adaptive"])
+def test_trainer_clips_and_accumulates_as_our_loop(name: str) -> None:
+    """gradient_clip_val clips the unscaled gradients (the dynamic scale is 2**16 and more: clipping the
+    scaled ones would differ); accumulate_grad_batches=2 sums two scaled backward passes of half the loss
+    into one step: the weights are our loop's with the same two settings."""
+    expected, _ = our_loop(name, clip=4e-6, accumulate=2)
+    _, lit, _ = fit(name, gradient_clip_val=4e-6, accumulate_grad_batches=2)
+    assert equal(weights(lit), expected)
+
+
+def test_checkpoint_resumes_the_adaptive_scaler_exactly(tmp_path: Path) -> None:
+    """A run of 20 steps saves a Lightning checkpoint at step 10 (ModelCheckpoint); a new Trainer with a new
+    scaler resumes from it: the weights and the scaler's whole state (betas, alphas, root scale, counters,
+    schedule) end as those of the uninterrupted run."""
+    saver = L.pytorch.callbacks.ModelCheckpoint(tmp_path, every_n_train_steps=10, save_top_k=-1)
+    _, whole, whole_scaler = fit("adaptive", callbacks=[saver])
+    path = tmp_path / "epoch=0-step=10.ckpt"
+    assert torch.load(path, weights_only=True)["ScalerPrecision"]["steps"] == 10
+    _, resumed, resumed_scaler = fit("adaptive", ckpt=path)
+    assert equal(weights(resumed), weights(whole))
+    assert resumed_scaler.state_dict() == whole_scaler.state_dict()
+
+
+def net() -> nn.Module:
+    """The network a Fabric user builds (the Lightning module's, with the same initial weights)."""
+    torch.manual_seed(0)
+    return LitClassifier().net
+
+
+@pytest.mark.parametrize("name", list(SCALERS))
+def test_fabric_loop_equals_our_loop(name: str) -> None:
+    """A Fabric loop (fabric.backward, fabric.clip_gradients, optimizer.step) with the plugin ends with our
+    loop's weights with clipping, bitwise; telemetry is there for fabric.log_dict."""
+    expected, _ = our_loop(name, clip=4e-6)
+    plugin = FabricScalerPrecision(build_scaler(SCALERS[name]), telemetry_every=5)
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    model = net()
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=1e3, momentum=0.9))
+    logged = []
+    for _ in range(STEPS // 10):
+        for x, y in loader():
+            optimizer.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(x), y) * LOSS_FACTOR
+            fabric.backward(loss)
+            fabric.clip_gradients(model, optimizer, max_norm=4e-6)
+            optimizer.step()
+            if telemetry := plugin.pop_telemetry():
+                logged.append((plugin.steps, telemetry))
+    assert equal(weights(model), expected)
+    assert [step for step, _ in logged] == [1, 6, 11, 16]
+    assert "underflow_rate/0" in logged[0][1]  # the Sequential's first Linear
+
+
+def test_fabric_checkpoint_resumes_the_adaptive_scaler(tmp_path: Path) -> None:
+    """fabric.save with the plugin in the state, fabric.load into a new plugin: the scaler continues."""
+
+    def run(steps: int, load: Path | None = None, save: Path | None = None):
+        plugin = FabricScalerPrecision(build_scaler(SCALERS["adaptive"]))
+        fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+        model = net()
+        model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=1e3, momentum=0.9))
+        state = {"model": model, "optimizer": optimizer, "precision": plugin}
+        if load is not None:
+            fabric.load(load, state)
+        batches = [b for _ in range(2) for b in loader()][plugin.steps : steps]
+        for x, y in batches:
+            optimizer.zero_grad(set_to_none=True)
+            fabric.backward(F.cross_entropy(model(x), y) * LOSS_FACTOR)
+            optimizer.step()
+        if save is not None:
+            fabric.save(save, state)
+        return weights(model), plugin.scaler.state_dict()
+
+    whole = run(STEPS)
+    run(10, save=tmp_path / "ten.ckpt")
+    resumed = run(STEPS, load=tmp_path / "ten.ckpt")
+    assert equal(resumed[0], whole[0]) and resumed[1] == whole[1]
+
+
+# ------------------------------------------------------------------------------------------ bad input
+
+
+def test_a_grad_scaler_is_refused_with_the_fix() -> None:
+    with pytest.raises(TypeError, match="MixedPrecision"):
+        ScalerPrecision(torch.amp.GradScaler("cpu"))
+
+
+def test_a_training_step_that_bypasses_forward_is_refused() -> None:
+    torch.manual_seed(0)
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, plugins=[ScalerPrecision(build_scaler(SCALERS["adaptive"]))],
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match=r"call the module itself \(self\(x\)"):
+        trainer.fit(Bypass(), loader())
+
+
+def test_one_plugin_per_model() -> None:
+    plugin = ScalerPrecision(build_scaler(SCALERS["adaptive"]))
+    first = LitClassifier()
+    assert plugin.convert_module(first) is first and plugin.convert_module(first) is first  # refit: once
+    with pytest.raises(RuntimeError, match="one plugin"):
+        plugin.convert_module(LitClassifier())
+
+
+def test_a_foreign_plugin_state_is_refused() -> None:
+    with pytest.raises(RuntimeError, match="resume with the plugin that saved it"):
+        ScalerPrecision(build_scaler(SCALERS["dynamic"])).load_state_dict({"scale": 65536.0})
+
+
+def test_importing_adaloss_imports_neither_trainer() -> None:
+    code = (
+        "import sys, adaloss, adaloss.integrations, adaloss.precision, adaloss.telemetry\n"
+        "from adaloss.scalers import AdaptiveLossScaler\n"
+        "bad = sorted(m for m in ('lightning', 'pytorch_lightning', 'accelerate') if m in sys.modules)\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
