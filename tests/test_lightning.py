@@ -1,10 +1,10 @@
 """The Lightning plugins (:mod:`adaloss.integrations.lightning`): a real ``Trainer.fit`` and a Fabric loop on
 the CPU train a small model as a Lightning user writes it, and end with exactly the weights of our own loop
-(the order of ``examples`` in ``LossScaler``'s docstring) with the same scaler, under the FP16 emulation.
+(tests/trainer_parity.py) with the same scaler, under the FP16 emulation.
 
-The task is made for the scalers to matter: the loss is multiplied by 1e-5, so FP16 gradients underflow
-unless scaled, and the four scalers end with four different sets of weights
-(``test_the_scalers_train_differently``); equality with our loop is then equality of scaler handling.
+The task is made for the scalers to matter (FP16 gradients underflow unless scaled): the four scalers end
+with four different sets of weights (``test_the_scalers_train_differently``), so equality with our loop is
+equality of scaler handling.
 """
 
 from __future__ import annotations
@@ -24,31 +24,26 @@ L = pytest.importorskip("lightning")
 from lightning.pytorch.loggers import Logger  # noqa: E402
 
 from adaloss.integrations.lightning import FabricScalerPrecision, ScalerPrecision  # noqa: E402
-from adaloss.precision import Precision  # noqa: E402
 from adaloss.scalers import LossScaler, build_scaler  # noqa: E402
-
-SCALERS = {
-    "none": {"name": "none"},
-    "fixed": {"name": "fixed", "scale": 1024},
-    "dynamic": {"name": "dynamic", "init_scale": 2.0**16, "growth_interval": 5},
-    "adaptive": {"name": "adaptive", "update_every": 3, "root": "adaptive"},
-}
-STEPS = 20
-LOSS_FACTOR = 1e-5  # small gradients: FP16 underflows them unless they are scaled
-
-_g = torch.Generator().manual_seed(1)
-X, Y = torch.randn(80, 8, generator=_g), torch.randint(0, 4, (80,), generator=_g)
-
-
-def loader() -> torch.utils.data.DataLoader:
-    """10 batches an epoch, in a fixed order: 20 steps are two epochs, a checkpoint at 10 ends one."""
-    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, Y), batch_size=8)
+from trainer_parity import (  # noqa: E402
+    CLIP,
+    LOSS_FACTOR,
+    LR,
+    SCALERS,
+    STEPS,
+    batches,
+    equal,
+    loader,
+    our_loop,
+    seeded_net,
+    weights,
+)
 
 
 class LitClassifier(L.LightningModule):
     """A LightningModule as a user writes it."""
 
-    def __init__(self, lr: float = 1e3) -> None:
+    def __init__(self, lr: float = LR) -> None:
         super().__init__()
         self.lr = lr
         self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
@@ -96,38 +91,15 @@ class RecordingLogger(Logger):
         pass
 
 
-def weights(module: nn.Module) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in module.parameters()]
-
-
-def our_loop(name: str, clip: float | None = None, accumulate: int = 1) -> tuple[list[torch.Tensor], Any]:
-    """Our own loop (src/adaloss/engine/trainer.py's order) over the same data, ``STEPS`` iterations."""
+def lit_module() -> LitClassifier:
     torch.manual_seed(0)
-    lit = LitClassifier()
-    scaler, precision = build_scaler(SCALERS[name]), Precision("fp16", "cpu")
-    model, optimizer = scaler.attach(lit), lit.configure_optimizers()
-    batches = [batch for _ in range(STEPS * accumulate // 10) for batch in loader()]
-    clipped = 0
-    for i in range(STEPS):
-        optimizer.zero_grad(set_to_none=True)
-        for x, y in batches[i * accumulate : (i + 1) * accumulate]:
-            with precision.autocast():
-                loss = F.cross_entropy(model(x), y) * LOSS_FACTOR
-            scaler.scale(loss / accumulate).backward()
-        if clip is not None:
-            scaler.unscale_(optimizer)
-            clipped += int(nn.utils.clip_grad_norm_(model.parameters(), clip) > clip)
-        scaler.step(optimizer)
-        scaler.update()
-    assert clip is None or clipped >= STEPS // 2  # the clipping acted: a wrong order would show
-    return weights(lit), scaler
+    return LitClassifier()
 
 
 def fit(
     name: str, steps: int = STEPS, ckpt: Path | None = None, logger: Any = False, **trainer_args: Any
 ) -> tuple[L.Trainer, LitClassifier, LossScaler]:
-    torch.manual_seed(0)
-    lit, scaler = LitClassifier(), build_scaler(SCALERS[name])
+    lit, scaler = lit_module(), build_scaler(SCALERS[name])
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_steps=steps, plugins=[ScalerPrecision(scaler, telemetry_every=5)],
         logger=logger, enable_checkpointing="callbacks" in trainer_args, enable_progress_bar=False,
@@ -137,13 +109,9 @@ def fit(
     return trainer, lit, scaler
 
 
-def equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(torch.equal(p, q) for p, q in zip(a, b, strict=True))
-
-
 @pytest.fixture(scope="module")
 def ours() -> dict[str, list[torch.Tensor]]:
-    return {name: our_loop(name)[0] for name in SCALERS}
+    return {name: our_loop(name, lit_module)[0] for name in SCALERS}
 
 
 def test_the_scalers_train_differently(ours: dict[str, list[torch.Tensor]]) -> None:
@@ -184,8 +152,8 @@ def test_trainer_clips_and_accumulates_as_our_loop(name: str) -> None:
     """gradient_clip_val clips the unscaled gradients (the dynamic scale is 2**16 and more: clipping the
     scaled ones would differ); accumulate_grad_batches=2 sums two scaled backward passes of half the loss
     into one step: the weights are our loop's with the same two settings."""
-    expected, _ = our_loop(name, clip=4e-6, accumulate=2)
-    _, lit, _ = fit(name, gradient_clip_val=4e-6, accumulate_grad_batches=2)
+    expected, _ = our_loop(name, lit_module, clip=CLIP, accumulate=2)
+    _, lit, _ = fit(name, gradient_clip_val=CLIP, accumulate_grad_batches=2)
     assert equal(weights(lit), expected)
 
 
@@ -202,31 +170,24 @@ def test_checkpoint_resumes_the_adaptive_scaler_exactly(tmp_path: Path) -> None:
     assert resumed_scaler.state_dict() == whole_scaler.state_dict()
 
 
-def net() -> nn.Module:
-    """The network a Fabric user builds (the Lightning module's, with the same initial weights)."""
-    torch.manual_seed(0)
-    return LitClassifier().net
-
-
 @pytest.mark.parametrize("name", list(SCALERS))
 def test_fabric_loop_equals_our_loop(name: str) -> None:
     """A Fabric loop (fabric.backward, fabric.clip_gradients, optimizer.step) with the plugin ends with our
     loop's weights with clipping, bitwise; telemetry is there for fabric.log_dict."""
-    expected, _ = our_loop(name, clip=4e-6)
+    expected, _ = our_loop(name, clip=CLIP)
     plugin = FabricScalerPrecision(build_scaler(SCALERS[name]), telemetry_every=5)
     fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
-    model = net()
-    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=1e3, momentum=0.9))
+    model = seeded_net()
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9))
     logged = []
-    for _ in range(STEPS // 10):
-        for x, y in loader():
-            optimizer.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(x), y) * LOSS_FACTOR
-            fabric.backward(loss)
-            fabric.clip_gradients(model, optimizer, max_norm=4e-6)
-            optimizer.step()
-            if telemetry := plugin.pop_telemetry():
-                logged.append((plugin.steps, telemetry))
+    for x, y in batches(STEPS // 10):
+        optimizer.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(x), y) * LOSS_FACTOR
+        fabric.backward(loss)
+        fabric.clip_gradients(model, optimizer, max_norm=CLIP)
+        optimizer.step()
+        if telemetry := plugin.pop_telemetry():
+            logged.append((plugin.steps, telemetry))
     assert equal(weights(model), expected)
     assert [step for step, _ in logged] == [1, 6, 11, 16]
     assert "underflow_rate/0" in logged[0][1]  # the Sequential's first Linear
@@ -238,13 +199,12 @@ def test_fabric_checkpoint_resumes_the_adaptive_scaler(tmp_path: Path) -> None:
     def run(steps: int, load: Path | None = None, save: Path | None = None):
         plugin = FabricScalerPrecision(build_scaler(SCALERS["adaptive"]))
         fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
-        model = net()
-        model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=1e3, momentum=0.9))
+        model = seeded_net()
+        model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9))
         state = {"model": model, "optimizer": optimizer, "precision": plugin}
         if load is not None:
             fabric.load(load, state)
-        batches = [b for _ in range(2) for b in loader()][plugin.steps : steps]
-        for x, y in batches:
+        for x, y in batches(2)[plugin.steps : steps]:
             optimizer.zero_grad(set_to_none=True)
             fabric.backward(F.cross_entropy(model(x), y) * LOSS_FACTOR)
             optimizer.step()
