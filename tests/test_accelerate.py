@@ -63,14 +63,16 @@ def accelerate_loop(
     return weights(model), scaler
 
 
-@pytest.mark.parametrize("name", list(SCALERS))
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n in ("none", "fixed") else n for n in SCALERS]
+)
 def test_accelerate_loop_equals_our_loop(name: str) -> None:
     """With clipping: the dynamic scale is 2**16 and more, so clipping scaled gradients would differ."""
     expected, _ = our_loop(name, clip=CLIP)
     assert equal(accelerate_loop(name)[0], expected)
 
 
-@pytest.mark.parametrize("name", ["dynamic", "adaptive"])
+@pytest.mark.parametrize("name", ["dynamic", pytest.param("adaptive", marks=pytest.mark.slow)])
 def test_gradient_accumulation_equals_our_loop(name: str) -> None:
     """Accelerator(gradient_accumulation_steps=2): two scaled backward passes of half the loss, one step."""
     expected, _ = our_loop(name, clip=CLIP, accumulate=2)

@@ -123,7 +123,11 @@ def test_the_scalers_train_differently(ours: dict[str, list[torch.Tensor]]) -> N
             )
 
 
-@pytest.mark.parametrize("name", list(SCALERS))
+#: none and fixed run in make test-full only (marked slow): the fast suite keeps the two that change the scale
+BY_SPEED = [pytest.param(n, marks=pytest.mark.slow) if n in ("none", "fixed") else n for n in SCALERS]
+
+
+@pytest.mark.parametrize("name", BY_SPEED)
 def test_trainer_fit_equals_our_loop(name: str, ours: dict[str, list[torch.Tensor]]) -> None:
     """20 steps of Trainer.fit with the plugin end with our loop's weights, bitwise; the per-layer
     telemetry reached the module's logger every 5 iterations (and changed nothing)."""
@@ -147,7 +151,7 @@ def test_trainer_fit_equals_our_loop(name: str, ours: dict[str, list[torch.Tenso
         assert telemetry[0][1]["mean_underflow_rate"] > 0  # unscaled FP16 gradients lose values here
 
 
-@pytest.mark.parametrize("name", ["dynamic", "adaptive"])
+@pytest.mark.parametrize("name", ["dynamic", pytest.param("adaptive", marks=pytest.mark.slow)])
 def test_trainer_clips_and_accumulates_as_our_loop(name: str) -> None:
     """gradient_clip_val clips the unscaled gradients (the dynamic scale is 2**16 and more: clipping the
     scaled ones would differ); accumulate_grad_batches=2 sums two scaled backward passes of half the loss
@@ -170,7 +174,7 @@ def test_checkpoint_resumes_the_adaptive_scaler_exactly(tmp_path: Path) -> None:
     assert resumed_scaler.state_dict() == whole_scaler.state_dict()
 
 
-@pytest.mark.parametrize("name", list(SCALERS))
+@pytest.mark.parametrize("name", BY_SPEED)
 def test_fabric_loop_equals_our_loop(name: str) -> None:
     """A Fabric loop (fabric.backward, fabric.clip_gradients, optimizer.step) with the plugin ends with our
     loop's weights with clipping, bitwise; telemetry is there for fabric.log_dict."""
