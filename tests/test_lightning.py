@@ -69,6 +69,22 @@ class Bypass(LitClassifier):
         return F.cross_entropy(self.net(x), y)
 
 
+class ManualClassifier(LitClassifier):
+    """Manual optimization, as Lightning's docs write it: manual_backward, clip_gradients, step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        x, y = batch
+        self.manual_backward(F.cross_entropy(self(x), y) * LOSS_FACTOR)
+        self.clip_gradients(optimizer, gradient_clip_val=CLIP, gradient_clip_algorithm="norm")
+        optimizer.step()
+
+
 class RecordingLogger(Logger):
     """A logger that keeps what it is given."""
 
@@ -159,6 +175,20 @@ def test_trainer_clips_and_accumulates_as_our_loop(name: str) -> None:
     expected, _ = our_loop(name, lit_module, clip=CLIP, accumulate=2)
     _, lit, _ = fit(name, gradient_clip_val=CLIP, accumulate_grad_batches=2)
     assert equal(weights(lit), expected)
+
+
+def test_manual_optimization_clips_as_our_loop() -> None:
+    """Manual optimization: self.clip_gradients unscales first (Lightning hands it the LightningOptimizer,
+    the step then the optimizer inside: one unscale), so the weights are our loop's with clipping."""
+    expected, _ = our_loop("dynamic", clip=CLIP)
+    torch.manual_seed(0)
+    module, plugin = ManualClassifier(), ScalerPrecision(build_scaler(SCALERS["dynamic"]))
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=STEPS, plugins=[plugin], logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, loader())
+    assert equal(weights(module), expected)
 
 
 def test_checkpoint_resumes_the_adaptive_scaler_exactly(tmp_path: Path) -> None:

@@ -42,6 +42,7 @@ from adaloss.telemetry import UnderflowMonitor
 
 try:
     from lightning.fabric.plugins.precision import Precision as _FabricPrecision
+    from lightning.pytorch.core.optimizer import LightningOptimizer
     from lightning.pytorch.plugins.precision import Precision as _TrainerPrecision
 except ImportError as exc:  # pragma: no cover - exercised only where lightning is absent
     raise ImportError(
@@ -133,7 +134,12 @@ class _ScalerDriver:
         return self.scaler.scale(loss)
 
     def unscale(self, optimizer: torch.optim.Optimizer) -> None:
-        """``scaler.unscale_(optimizer)`` once per iteration (a second call is a no-op). No sync."""
+        """``scaler.unscale_(optimizer)`` once per iteration (a second call is a no-op). No sync.
+
+        A ``LightningOptimizer`` (what ``self.clip_gradients`` gets under manual optimization) is unwrapped:
+        the step that follows sees the optimizer inside it, which must count as unscaled."""
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
         if id(optimizer) not in self._unscaled:
             self.scaler.unscale_(optimizer)
             self._unscaled.add(id(optimizer))
