@@ -111,6 +111,7 @@ class _ScalerDriver:
         return module
 
     def _note_forward(self, module: nn.Module, args: Any) -> None:
+        """Forward pre-hook of the rewritten module: a training forward pass went through it. No sync."""
         if torch.is_grad_enabled():
             self._forward_seen = True
 
@@ -185,9 +186,11 @@ class _ScalerDriver:
         return record
 
     def state_dict(self) -> dict[str, Any]:
+        """The scaler's state and the iteration count."""
         return {"scaler": self.scaler.state_dict(), "steps": self.steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s state; a state of another plugin is refused with the fix."""
         if "scaler" not in state or "steps" not in state:
             raise RuntimeError(
                 f"the checkpoint's precision-plugin state has keys {sorted(state)}, not an adaloss plugin's "
@@ -224,22 +227,28 @@ class ScalerPrecision(_TrainerPrecision):
 
     @property
     def scaler(self) -> LossScaler:
+        """The scaler this plugin drives."""
         return self._driver.scaler
 
     def convert_module(self, module: nn.Module) -> nn.Module:
+        """Attach the scaler to ``module``, before Lightning moves and wraps it; returns ``module`` itself.
+        No sync."""
         return self._driver.convert(module)
 
     @contextlib.contextmanager
     def forward_context(self) -> Generator[None, None, None]:
+        """Validation, test and predict steps: the precision's context, no telemetry. No sync."""
         with self._driver.forward_context(training=False):
             yield
 
     @contextlib.contextmanager
     def train_step_context(self) -> Generator[None, None, None]:
+        """Training steps: the precision's context, counting underflow on telemetry iterations. No sync."""
         with self._driver.forward_context(training=True):
             yield
 
     def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:  # type: ignore[override]
+        """The loss, scaled (``scaler.scale``), for Lightning's backward pass. No sync."""
         return super().pre_backward(self._driver.scale(tensor), module)
 
     def optimizer_step(  # type: ignore[override]
@@ -276,9 +285,12 @@ class ScalerPrecision(_TrainerPrecision):
         return super().clip_gradients(optimizer, clip_val, **kwargs)
 
     def state_dict(self) -> dict[str, Any]:
+        """``{"scaler": scaler.state_dict(), "steps": iterations}``, for the checkpoint. The scaler's own
+        sync (the adaptive scaler's per-layer state: one)."""
         return self._driver.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s state (before or after ``convert_module``). No sync."""
         self._driver.load_state_dict(state_dict)
 
 
@@ -304,6 +316,7 @@ class FabricScalerPrecision(_FabricPrecision):
 
     @property
     def scaler(self) -> LossScaler:
+        """The scaler this plugin drives."""
         return self._driver.scaler
 
     @property
@@ -317,22 +330,34 @@ class FabricScalerPrecision(_FabricPrecision):
         return self._driver.pop_telemetry()
 
     def convert_module(self, module: nn.Module) -> nn.Module:
+        """Attach the scaler to ``module``, before Lightning moves and wraps it; returns ``module`` itself.
+        No sync."""
         return self._driver.convert(module)
 
     def forward_context(self) -> contextlib.AbstractContextManager:
+        """The precision's context; with grad enabled on telemetry iterations, counting underflow. No
+        sync."""
         return self._driver.forward_context(training=True)
 
     def backward(self, tensor: torch.Tensor, model: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        """``scaler.scale(tensor).backward()``. No sync."""
         super().backward(self._driver.scale(tensor), model, *args, **kwargs)
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """``scaler.step(optimizer)`` (skipped on an Inf/NaN gradient) and ``scaler.update()``. One sync
+        (the Inf/NaN flag), one more on telemetry iterations."""
         return self._driver.step(optimizer, **kwargs)
 
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """``scaler.unscale_(optimizer)``, once per iteration (``fabric.clip_gradients`` calls it). No
+        sync."""
         self._driver.unscale(optimizer)
 
     def state_dict(self) -> dict[str, Any]:
+        """``{"scaler": scaler.state_dict(), "steps": iterations}``, for the checkpoint. The scaler's own
+        sync (the adaptive scaler's per-layer state: one)."""
         return self._driver.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s state (before or after ``convert_module``). No sync."""
         self._driver.load_state_dict(state_dict)
