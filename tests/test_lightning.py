@@ -321,6 +321,16 @@ def test_a_training_step_that_bypasses_forward_is_refused() -> None:
         trainer.fit(Bypass(), loader())
 
 
+def test_a_precision_for_another_device_is_refused() -> None:
+    """CUDA autocast around a CPU model would train it in FP32 without a word: refused with the fix."""
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, plugins=[ScalerPrecision(build_scaler(SCALERS["fixed"]), device="cuda")],
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="pass device='cpu' to the plugin"):
+        trainer.fit(lit_module(), loader())
+
+
 def test_one_plugin_per_model() -> None:
     plugin = ScalerPrecision(build_scaler(SCALERS["adaptive"]))
     first = LitClassifier()

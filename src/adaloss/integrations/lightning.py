@@ -89,6 +89,7 @@ class _ScalerDriver:
         self._module: nn.Module | None = None
         self._rewritten = False
         self._forward_seen = False
+        self._device_checked = False
         self._unscaled: set[int] = set()
 
     def convert(self, module: nn.Module) -> nn.Module:
@@ -118,10 +119,23 @@ class _ScalerDriver:
     def forward_context(self, training: bool) -> contextlib.AbstractContextManager:
         """The precision's context; on a telemetry iteration's training passes, with the underflow monitor
         (the emulated path, so gradients are counted before and after rounding). No sync."""
+        if not self._device_checked and self._module is not None:
+            self._check_device(self._module)
         due = (
             training and self.monitor is not None and self.monitor.due(self.steps) and torch.is_grad_enabled()
         )
         return self.precision.autocast(monitor=self.monitor if due else None)
+
+    def _check_device(self, module: nn.Module) -> None:
+        """Once, at the first forward pass (the model has been moved by then): the precision must be for
+        the model's device; CUDA autocast around a CPU model would leave it in FP32 without a word."""
+        param = next(module.parameters(), None)
+        if param is not None and param.device.type != self.precision.device.type:
+            raise ValueError(
+                f"the plugin's precision is for device '{self.precision.device.type}' but the model is on "
+                f"'{param.device}': pass device='{param.device.type}' to the plugin"
+            )
+        self._device_checked = True
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """``scaler.scale(loss)``, after checking that the loss went through the attached forward. No sync."""
