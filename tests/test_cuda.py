@@ -72,3 +72,31 @@ def test_an_inductor_compiled_model_trains_as_the_eager_one_without_recompiling(
     for got, want in zip(weights, eager_weights, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4)
     assert graphs[1] > 0 and graphs[-1] == graphs[1], graphs
+
+
+@pytest.mark.parametrize("name", ["dynamic", "adaptive_u2"])
+def test_a_lightning_step_adds_no_host_sync(name: str) -> None:
+    """Issue 36: the Lightning plugin (Fabric's, whose loop has no machinery of its own between the calls)
+    on real CUDA FP16 autocast: forward, ``fabric.backward`` and ``fabric.clip_gradients`` (which unscales)
+    under ``set_sync_debug_mode("error")``; ``optimizer.step()`` outside it (the scaler's one sync). The
+    first step runs outside it: Fabric (as the Trainer) converts the module before moving it to the GPU, so
+    the adaptive scaler's scale buffers follow the model there once, in that step's forward pass."""
+    L = pytest.importorskip("lightning")
+    from adaloss.integrations.lightning import FabricScalerPrecision
+
+    torch.manual_seed(0)
+    plugin = FabricScalerPrecision(SCALERS[name](), precision="fp16", device="cuda", telemetry_every=None)
+    fabric = L.Fabric(accelerator="cuda", devices=1, plugins=[plugin])
+    model = cifar_resnet(20, 10)
+    model, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    for step in range(4):  # recompute and reuse steps
+        x, y = torch.randn(16, 3, 32, 32, device="cuda"), torch.randint(0, 10, (16,), device="cuda")
+        torch.cuda.set_sync_debug_mode("error" if step > 0 else "default")
+        try:
+            fabric.backward(F.cross_entropy(model(x), y))
+            fabric.clip_gradients(model, opt, max_norm=5.0, error_if_nonfinite=False)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        opt.step()
+        opt.zero_grad()
+    assert plugin.steps == 4 and plugin.scaler.skipped_steps == 0
