@@ -51,7 +51,8 @@ def _batches(kind: str, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     out = []
     for _ in range(STEPS):
         if kind == "gpt":
-            x, y = torch.randint(0, 32, (BATCH, 8), generator=g), torch.randint(0, 32, (BATCH, 8), generator=g)
+            x = torch.randint(0, 32, (BATCH, 8), generator=g)
+            y = torch.randint(0, 32, (BATCH, 8), generator=g)
         else:
             x = torch.randn(BATCH, 3, 8, 8, generator=g, dtype=torch.float64)
             y = torch.randint(0, 10, (BATCH,), generator=g)
@@ -66,8 +67,6 @@ def _local_rows(grad: torch.Tensor) -> torch.Tensor:
 
 def _train(kind: str, rank: int, strategy: str) -> dict:
     from adaloss.adaptive import ops
-    from adaloss.distributed import DistInfo
-    from adaloss.scalers import build_scaler
 
     seen: list[tuple[str, tuple[int, ...]]] = []  # what Algorithm 4's weight statistics read, per GEMM call
     factors = ops.layer_weight_factors
@@ -84,10 +83,9 @@ def _train(kind: str, rank: int, strategy: str) -> dict:
 
 
 def _steps(kind: str, rank: int, strategy: str) -> dict:
-    from sync_trap import no_host_sync
-
     from adaloss.distributed import DistInfo
     from adaloss.scalers import build_scaler
+    from sync_trap import no_host_sync
 
     scaler = build_scaler(OmegaConf.create({"name": "adaptive", "update_every": 2, "rule": "paper"}), None)
     module = scaler.attach(_model(kind))
@@ -138,7 +136,8 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("fsdp2")
-    mp.start_processes(_worker, args=(_free_port(), str(out_dir)), nprocs=WORLD, join=True, start_method="spawn")
+    port = _free_port()
+    mp.start_processes(_worker, args=(port, str(out_dir)), nprocs=WORLD, join=True, start_method="spawn")
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
 
 

@@ -37,6 +37,7 @@ import torch.fx
 from torch import nn
 
 from adaloss.errors import ConfigError
+from adaloss.schemas import STRATEGIES
 
 __all__ = [
     "STRATEGIES",
@@ -51,8 +52,6 @@ __all__ = [
 ]
 
 _ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
-#: ``distributed.strategy``: replicate the model in every process (DDP) or shard it (FSDP2's ``fully_shard``).
-STRATEGIES = ("ddp", "fsdp2")
 
 
 @dataclass(frozen=True)
@@ -355,12 +354,19 @@ def shard_model(module: nn.Module) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
     if not dist.is_initialized():
-        raise RuntimeError("shard_model: call init_distributed() first (torch.distributed is not initialized)")
+        raise RuntimeError("shard_model: call init_distributed() first (no process group)")
     for group in shard_units(module):
         fully_shard(group[0] if len(group) == 1 else group)
-        group[0].set_gradient_divide_factor(1.0)  # the group's state: one for all its modules
-    fully_shard(module).set_gradient_divide_factor(1.0)
+        _sum_gradients(group[0])  # the group's state: one for all its modules
+    _sum_gradients(fully_shard(module))
     return module
+
+
+def _sum_gradients(unit: Any) -> None:
+    """Make an FSDP2 group reduce-scatter its gradients as plain sums: divide factor 1, and ``ReduceOp.SUM``
+    itself (without it a float32 group asks for ``PREMUL_SUM``, which gloo refuses)."""
+    unit.set_gradient_divide_factor(1.0)
+    unit.set_force_sum_reduction_for_comms(True)
 
 
 def destroy() -> None:
