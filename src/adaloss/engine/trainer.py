@@ -268,6 +268,7 @@ class _Run:
 def _build(cfg: DictConfig, run_dir: Path, config: dict[str, Any], ranks: DistInfo, started: float) -> _Run:
     """Build phase: every part of the run from its config, in the order that fixes the random streams
     (the same on every rank until the model exists). Writes nothing."""
+    strategy = _strategy(cfg, ranks)  # first: a strategy this launch cannot run is refused before any work
     if ranks.device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # fixed input shapes: let cuDNN pick the fastest kernels
     seed_everything(int(cfg.seed))  # the same on every rank: the same initial weights
@@ -287,7 +288,6 @@ def _build(cfg: DictConfig, run_dir: Path, config: dict[str, Any], ranks: DistIn
     # transformed module); ``module`` stays the unwrapped one: state dicts, evaluation, layer names. One
     # process, not compiled: model is module.
     compiler = StepCompiler(module, bool(cfg.trainer.compile), str(cfg.trainer.compile_mode), precision)
-    strategy = _strategy(cfg, ranks)
     model = ranks.wrap(compiler.model, strategy)  # fsdp2: shards module in place (model is module)
     optimizer = build_optimizer(cfg.optimizer, module)  # the same parameter objects as model's
     scheduler = build_schedule(cfg.schedule, optimizer, steps)
