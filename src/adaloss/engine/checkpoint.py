@@ -25,9 +25,10 @@ parts and puts it back; :class:`CheckpointManager` writes, finds, checks and rea
 * **Sharded** (``distributed.strategy=fsdp2``): the model's and the optimizer's state stay sharded; every
   rank writes its shards through ``torch.distributed.checkpoint`` into ``step_<N>.dcp/`` (written as
   ``.step_<N>.dcp.tmp/``, renamed when every rank is done), then rank 0 writes ``step_<N>.pt`` with the rest
-  (``"sharded": true``, empty ``model`` and ``optimizer``): the ``.pt`` file is the commit, so a crash in
-  between leaves the previous checkpoint the newest. A resume reads the shards back into the sharded model
-  (any world size: DCP reshards). Rotation removes a checkpoint's folder with its file.
+  (``"sharded": true``, ``model`` holding only rank 0's buffers, ``optimizer`` empty): the ``.pt`` file is
+  the commit, so a crash in between leaves the previous checkpoint the newest. A resume reads the shards
+  back into the sharded model (at the world size it was written with). Rotation removes a checkpoint's
+  folder with its file.
 * **One history per folder**: checkpoints that do not belong to the run being continued (all of them for a
   fresh run; those after the resumed step otherwise) are renamed ``step_<N>.pt.stale`` before the run
   writes its own, so ``resume=auto`` can never pick them up; nothing is deleted but by rotation.
@@ -518,7 +519,7 @@ class CheckpointParts:
             "step": step,
             "config_key": self.key,
             "config": plain(config),
-            "model": {} if self.sharded else self.model.state_dict(),
+            "model": self.replicated_model_state() if self.sharded else self.model.state_dict(),
             "optimizer": {} if self.sharded else self.optimizer.state_dict(),
             "sharded": self.sharded,
             "schedule": plain(self.scheduler.state_dict()),
@@ -544,7 +545,7 @@ class CheckpointParts:
                 f"resume with distributed.strategy={wrote} (under torchrun), or start a fresh run"
             )
         if self.sharded:
-            self.load_shards(shards_of(Path(path)))
+            self.load_shards(shards_of(Path(path)), state["model"])
         else:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
@@ -565,16 +566,28 @@ class CheckpointParts:
             self.precision.load_state_dict(state.get("grad_quantizer", {}))
 
     def sharded_state(self) -> dict[str, Any]:
-        """The model's and optimizer's state as this rank's shards (``DTensor`` values, parameter names as
-        keys), what ``torch.distributed.checkpoint`` writes and reads. Collective under FSDP2."""
+        """The model's parameters and the optimizer's state as this rank's shards (``DTensor`` values,
+        parameter names as keys), what ``torch.distributed.checkpoint`` writes and reads. The model's buffers
+        are not in it (:meth:`replicated_model_state`). Collective under FSDP2."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
+        from torch.distributed.tensor import DTensor
 
         model, optimizer = get_state_dict(self.model, self.optimizer)
-        return {"model": model, "optimizer": optimizer}
+        return {"model": {k: v for k, v in model.items() if isinstance(v, DTensor)}, "optimizer": optimizer}
 
-    def load_shards(self, folder: Path) -> None:
-        """Read ``folder``'s shards (:meth:`CheckpointManager.save_shards`) into the sharded model and
-        optimizer. Collective; ``ConfigError`` when the folder is missing."""
+    def replicated_model_state(self) -> dict[str, Any]:
+        """The model's entries FSDP2 does not shard (buffers: batch norm's running statistics), as this rank
+        holds them; rank 0's go into ``step_<N>.pt``. They are per rank (FSDP2 does not broadcast buffers as
+        DDP does), and ``torch.distributed.checkpoint`` would keep one rank's copy, not necessarily rank
+        0's: a resume gives every rank rank 0's, the ones that evaluate and are saved."""
+        from torch.distributed.tensor import DTensor
+
+        return {k: plain(v) for k, v in self.model.state_dict().items() if not isinstance(v, DTensor)}
+
+    def load_shards(self, folder: Path, replicated: Mapping[str, Any]) -> None:
+        """Read ``folder``'s shards (:meth:`CheckpointManager.save_shards`) and the ``replicated`` entries
+        (:meth:`replicated_model_state`) into the sharded model and optimizer. Collective; ``ConfigError``
+        when the folder is missing."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
@@ -585,9 +598,8 @@ class CheckpointParts:
             )
         state = self.sharded_state()
         dcp.load(state, checkpoint_id=folder)
-        set_state_dict(
-            self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
-        )
+        model, optimizer = {**state["model"], **replicated}, state["optimizer"]
+        set_state_dict(self.model, self.optimizer, model_state_dict=model, optim_state_dict=optimizer)
 
     def full_model_state(self) -> dict[str, Any]:
         """The model's state dict with whole tensors on the CPU: gathered from the shards under FSDP2 (a
