@@ -27,8 +27,8 @@ parts and puts it back; :class:`CheckpointManager` writes, finds, checks and rea
   ``.step_<N>.dcp.tmp/``, renamed when every rank is done), then rank 0 writes ``step_<N>.pt`` with the rest
   (``"sharded": true``, ``model`` holding only rank 0's buffers, ``optimizer`` empty): the ``.pt`` file is
   the commit, so a crash in between leaves the previous checkpoint the newest. A resume reads the shards
-  back into the sharded model (at the world size it was written with). Rotation removes a checkpoint's
-  folder with its file.
+  back into the sharded model (tested at the world size they were written with). Rotation removes a
+  checkpoint's folder with its file.
 * **One history per folder**: checkpoints that do not belong to the run being continued (all of them for a
   fresh run; those after the resumed step otherwise) are renamed ``step_<N>.pt.stale`` before the run
   writes its own, so ``resume=auto`` can never pick them up; nothing is deleted but by rotation.
