@@ -17,6 +17,12 @@ is a single-process no-op, so the trainer (:mod:`adaloss.engine.trainer`) has on
   number of processes.
 * Only rank 0 evaluates, logs and writes checkpoints, ``telemetry.jsonl``, ``model.pt`` and ``metrics.json``.
 
+``distributed.strategy=fsdp2`` shards the model instead (:func:`shard_model`, FSDP2's ``fully_shard``): each
+rank holds ``1/world_size`` of every parameter, gradient and optimizer state; gradients are reduce-scattered
+as sums, so the loss division above holds unchanged; checkpoints are sharded
+(:meth:`adaloss.engine.checkpoint.CheckpointManager.save_shards`) and every rank evaluates. ``docs/fsdp2.md``
+says what is reduced where.
+
 Batch-norm statistics stay per rank unless the model is converted with
 ``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` (CUDA only; not wired).
 
