@@ -145,6 +145,7 @@ NEW_KEYS: dict[str, Any] = {
     "scaler.u_min": None,  # the adaptive scaler's optional format bounds (null: the format's)
     "scaler.u_max": None,
     "scaler.root": "fixed",  # how alpha_{N+1} is chosen (the root-scale option, added beside the schemas)
+    "distributed.strategy": "ddp",  # under torchrun: replicate (DDP) or shard (FSDP2) the model
     "dataset.mean": None,  # digits and synthetic are not normalized
     "dataset.std": None,
     "dataset.translate": 2,  # digits' augmentation shift, read by the builder with this default

@@ -17,6 +17,12 @@ is a single-process no-op, so the trainer (:mod:`adaloss.engine.trainer`) has on
   number of processes.
 * Only rank 0 evaluates, logs and writes checkpoints, ``telemetry.jsonl``, ``model.pt`` and ``metrics.json``.
 
+``distributed.strategy=fsdp2`` shards the model instead (:func:`shard_model`, FSDP2's ``fully_shard``): each
+rank holds ``1/world_size`` of every parameter, gradient and optimizer state; gradients are reduce-scattered
+as sums, so the loss division above holds unchanged; checkpoints are sharded
+(:meth:`adaloss.engine.checkpoint.CheckpointManager.save_shards`) and every rank evaluates. ``docs/fsdp2.md``
+says what is reduced where.
+
 Batch-norm statistics stay per rank unless the model is converted with
 ``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` (CUDA only; not wired).
 
@@ -33,11 +39,23 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.fx
 from torch import nn
 
 from adaloss.errors import ConfigError
+from adaloss.schemas import STRATEGIES
 
-__all__ = ["DistInfo", "destroy", "init_distributed", "is_main_process", "rank_seed", "wrap_model"]
+__all__ = [
+    "STRATEGIES",
+    "DistInfo",
+    "destroy",
+    "init_distributed",
+    "is_main_process",
+    "rank_seed",
+    "shard_model",
+    "shard_units",
+    "wrap_model",
+]
 
 _ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
@@ -90,10 +108,13 @@ class DistInfo:
         """What each rank multiplies its mean loss by before the backward pass (gradients are summed)."""
         return 1.0 / self.world_size
 
-    def wrap(self, module: nn.Module) -> nn.Module:
-        """``module`` in DDP with gradients summed over the ranks (:func:`sum_gradients`), or as it is."""
+    def wrap(self, module: nn.Module, strategy: str) -> nn.Module:
+        """``module`` in DDP (``strategy="ddp"``) or sharded in place by :func:`shard_model` (``"fsdp2"``),
+        with gradients summed over the ranks either way (:func:`sum_gradients`); as it is for one process."""
         if not self.is_distributed:
             return module
+        if strategy == "fsdp2":
+            return shard_model(module)
         model = wrap_model(module, self)
         model.register_comm_hook(None, sum_gradients)
         return model
@@ -269,6 +290,89 @@ def wrap_model(model: nn.Module, info: DistInfo, **ddp_kwargs) -> nn.Module:
             model, device_ids=[info.device.index], output_device=info.device.index, **ddp_kwargs
         )
     return DistributedDataParallel(model, **ddp_kwargs)
+
+
+def shard_units(module: nn.Module) -> list[list[nn.Module]]:
+    """The groups of submodules :func:`shard_model` gives a ``fully_shard`` group of their own, in order.
+
+    FSDP2 all-gathers a group's parameters when the forward pass first calls one of its modules, and again
+    before their backward pass, so a group must be modules whose ``forward`` runs and that alone use their
+    parameters. A module holding parameters directly qualifies when none of them is held by another module
+    (tied weights) and, in a ``torch.fx.GraphModule`` (what the adaptive scaler's ``attach`` returns), it is
+    called as a module (``call_module``) and none of its parameters is read by a ``get_attr`` node (those
+    feed functional GEMMs outside its forward). A GEMM layer of the adaptive scaler that carries the
+    parameters of the module it feeds (``AdaptiveGEMM.carriers``: a batch norm after a conv, whose
+    parameters it reads in its own forward) shares one group with that module. Everything else stays with
+    the root's group.
+    """
+    owners: dict[int, list[nn.Module]] = {}
+    for sub in module.modules():
+        for param in sub.parameters(recurse=False):
+            owners.setdefault(id(param), []).append(sub)
+    graph = getattr(module, "graph", None)
+    called = read = None
+    if isinstance(graph, torch.fx.Graph):
+        called = {module.get_submodule(str(n.target)) for n in graph.nodes if n.op == "call_module"}
+        values = (_attr(module, str(n.target)) for n in graph.nodes if n.op == "get_attr")
+        read = {id(v) for v in values if isinstance(v, nn.Parameter)}
+    group_of: dict[int, list[nn.Module]] = {}
+    groups: list[list[nn.Module]] = []
+    for sub in module.modules():
+        params = list(sub.parameters(recurse=False))
+        if sub is module or not params or id(sub) in group_of:
+            continue
+        members = [sub] + [_holder(owner, owners) for owner, _ in getattr(sub, "carriers", {}).values()]
+        mine = [p for m in members if m is not None for p in m.parameters(recurse=False)]
+        if None in members or any(len(owners[id(p)]) > 1 or (read and id(p) in read) for p in mine):
+            continue
+        if called is not None and any(m not in called for m in members):
+            continue
+        groups.append(members)
+        group_of.update((id(m), members) for m in members)
+    return groups
+
+
+def _holder(owner: nn.Module, owners: dict[int, list[nn.Module]]) -> nn.Module | None:
+    """The module of the tree that holds ``owner``'s parameters (``owner`` may be a wrapped module outside
+    the tree that reads the same parameter table); None if there is not exactly one."""
+    holders = {id(m): m for p in owner.parameters(recurse=False) for m in owners.get(id(p), [])}
+    return next(iter(holders.values())) if len(holders) == 1 else None
+
+
+def _attr(module: nn.Module, target: str) -> Any:
+    for part in target.split("."):
+        module = getattr(module, part, None)
+    return module
+
+
+def shard_model(module: nn.Module) -> nn.Module:
+    """Shard ``module`` in place over the default process group with FSDP2 and return it.
+
+    ``fully_shard`` on each of :func:`shard_units` (its own all-gather and reduce-scatter, resharded after
+    its forward pass), then on ``module`` for the remaining parameters. Each rank then holds a ``1/world``
+    shard (dim 0) of every parameter, gradient and optimizer state as ``DTensor``s; inside a group's forward
+    and backward passes its parameters are whole again (all-gathered), so the adaptive scaler's GEMM
+    backward reads the full weight (Algorithm 4's ``||W||``, ``max|W|`` need no reduction of their own).
+    Gradients are reduce-scattered as sums (divide factor 1), as :func:`sum_gradients` makes DDP's: the
+    trainer divides the loss by the world size. Call after ``scaler.attach`` and ``precision.prepare``,
+    before building the optimizer (it must see the sharded parameters).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    if not dist.is_initialized():
+        raise RuntimeError("shard_model: call init_distributed() first (no process group)")
+    for group in shard_units(module):
+        fully_shard(group[0] if len(group) == 1 else group)
+        _sum_gradients(group[0])  # the group's state: one for all its modules
+    _sum_gradients(fully_shard(module))
+    return module
+
+
+def _sum_gradients(unit: Any) -> None:
+    """Make an FSDP2 group reduce-scatter its gradients as plain sums: divide factor 1, and ``ReduceOp.SUM``
+    itself (without it a float32 group asks for ``PREMUL_SUM``, which gloo refuses)."""
+    unit.set_gradient_divide_factor(1.0)
+    unit.set_force_sum_reduction_for_comms(True)
 
 
 def destroy() -> None:

@@ -153,6 +153,8 @@ def each(obj: Any, name: str, example: Any, **bounds: Any) -> None:
 
 #: The values of ``trainer.compile_mode``: ``torch.compile``'s modes (``default`` passes ``mode=None``).
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
+#: The values of ``distributed.strategy`` under torchrun: replicate the model (DDP) or shard it (FSDP2).
+STRATEGIES = ("ddp", "fsdp2")
 
 
 @dataclass
@@ -223,6 +225,16 @@ class FaultsConf:
 
 
 @dataclass
+class DistributedConf:
+    """How the model is spread over torchrun's processes (:mod:`adaloss.distributed`); one process: unused."""
+
+    strategy: str = "ddp"
+
+    def __post_init__(self) -> None:
+        choice(self, "strategy", STRATEGIES)
+
+
+@dataclass
 class BoundsConf:
     scale_upper_bound: float | None = None
     accum_upper_bound: float | None = None
@@ -278,6 +290,7 @@ class TrainConf:
     dynamic_recipe: DynamicRecipeConf = field(default_factory=DynamicRecipeConf)
     telemetry: TelemetryConf = field(default_factory=TelemetryConf)
     faults: FaultsConf = field(default_factory=FaultsConf)
+    distributed: DistributedConf = field(default_factory=DistributedConf)
     paths: PathsConf = field(default_factory=PathsConf)
     model: Any = MISSING
     dataset: Any = MISSING

@@ -248,8 +248,11 @@ class UnscaledParams(nn.Module):
 
     def __init__(self, module: nn.Module, shared: list[str], state: AdaptiveState) -> None:
         super().__init__()
-        for name, p in module.named_parameters(recurse=False):
+        for name, p in module._parameters.items():  # None entries too (a norm without bias): see below
             self.register_parameter(name, p)
+        # one parameter table for both: what replaces a parameter here (FSDP2's fully_shard swaps sharded and
+        # whole parameters in and out of the module it shards) is what the wrapped module's forward reads
+        object.__setattr__(module, "_parameters", self._parameters)
         persistent = set(getattr(module, "_non_persistent_buffers_set", ()))
         for name, b in module.named_buffers(recurse=False):
             self.register_buffer(name, b, persistent=name not in persistent)

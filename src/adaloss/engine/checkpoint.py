@@ -22,6 +22,13 @@ parts and puts it back; :class:`CheckpointManager` writes, finds, checks and rea
   or holds a model of other layer shapes);
   ``resume=null`` starts fresh. Resuming with a different model, dataset, scaler, precision, batch size,
   seed or run length is a ``ConfigError``.
+* **Sharded** (``distributed.strategy=fsdp2``): the model's and the optimizer's state stay sharded; every
+  rank writes its shards through ``torch.distributed.checkpoint`` into ``step_<N>.dcp/`` (written as
+  ``.step_<N>.dcp.tmp/``, renamed when every rank is done), then rank 0 writes ``step_<N>.pt`` with the rest
+  (``"sharded": true``, ``model`` holding only rank 0's buffers, ``optimizer`` empty): the ``.pt`` file is
+  the commit, so a crash in between leaves the previous checkpoint the newest. A resume reads the shards
+  back into the sharded model (tested at the world size they were written with). Rotation removes a
+  checkpoint's folder with its file.
 * **One history per folder**: checkpoints that do not belong to the run being continued (all of them for a
   fresh run; those after the resumed step otherwise) are renamed ``step_<N>.pt.stale`` before the run
   writes its own, so ``resume=auto`` can never pick them up; nothing is deleted but by rotation.
@@ -34,6 +41,7 @@ import math
 import os
 import pickle
 import re
+import shutil
 import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -75,6 +83,7 @@ __all__ = [
     "plain",
     "restore_object_state",
     "save_atomic",
+    "shards_of",
 ]
 
 #: Bumped when the checkpoint layout changes incompatibly; a checkpoint of another version is refused.
@@ -214,7 +223,10 @@ def check_config_key(
 def check_model_shapes(state: Mapping[str, Any], model: Any, path: Path, config: Mapping[str, Any]) -> None:
     """``ConfigError`` if the checkpoint's model weights do not fit ``model`` (another ``model.hidden``,
     width, ...), naming the first differing tensors and the model settings that differ; ``config`` is this
-    run's resolved config. Cost: one pass over the state dict's shapes, no copy."""
+    run's resolved config. Cost: one pass over the state dict's shapes, no copy. A sharded checkpoint's
+    shapes are checked by ``torch.distributed.checkpoint`` when its shards are read."""
+    if state.get("sharded"):
+        return
     saved = state["model"]
     ours = model.state_dict()
     missing = [k for k in ours if k not in saved]
@@ -353,6 +365,8 @@ class CheckpointManager:
             return
         for leftover in self.folder.glob(".step_*.pt.*.tmp"):
             leftover.unlink(missing_ok=True)
+        for leftover in self.folder.glob(".step_*.dcp.tmp"):  # a sharded save that did not finish
+            shutil.rmtree(leftover, ignore_errors=True)
         after = resumed.step if resumed is not None else -1
         stale = [path for step, path in self.checkpoints() if step > after]
         for path in stale:
@@ -384,8 +398,31 @@ class CheckpointManager:
             save_atomic(state, path)
         for _, old in self.checkpoints()[: -self.keep]:
             old.unlink(missing_ok=True)
+            shutil.rmtree(shards_of(old), ignore_errors=True)
         log.debug("checkpoint %s written", path)
         return path
+
+    def save_shards(self, parts: CheckpointParts, step: int) -> None:
+        """Every rank: write this rank's shards of the model and optimizer state into ``step_<step>.dcp/``
+        (see the module docstring); call :meth:`save` on rank 0 afterwards. Collective: every rank calls it
+        at the same step. Cost: DCP's planning collectives, one file per rank, two barriers."""
+        import torch.distributed.checkpoint as dcp
+
+        from adaloss.engine.run_folder import writing
+
+        final = shards_of(self.folder / f"step_{step}.pt")
+        temporary = final.with_name(f".{final.name}.tmp")
+        ranks = parts.ranks
+        with writing("checkpoint", final):
+            if ranks.is_main:
+                shutil.rmtree(temporary, ignore_errors=True)
+                temporary.mkdir(parents=True)
+            ranks.barrier()
+            dcp.save(parts.sharded_state(), checkpoint_id=temporary)
+            ranks.barrier()
+            if ranks.is_main:
+                shutil.rmtree(final, ignore_errors=True)  # a set-aside history's shards of the same step
+                os.replace(temporary, final)
 
 
 def _value(value: Any) -> str:
@@ -407,6 +444,11 @@ def _in_folder(folder: Path) -> str:
     newest = CheckpointManager(run).checkpoints()
     pick = f"resume={newest[-1][1]}, or " if newest else ""
     return f"use {pick}resume=auto hydra.run.dir={run} to continue that run from its newest checkpoint"
+
+
+def shards_of(path: Path) -> Path:
+    """The folder of a sharded checkpoint's shards: ``step_<N>.dcp`` beside ``step_<N>.pt``."""
+    return Path(path).with_suffix(".dcp")
 
 
 # ------------------------------------------------------------------------------ the checkpoint's layout
@@ -462,6 +504,7 @@ class CheckpointParts:
     progress: Progress
     ranks: DistInfo
     precision: Any = None  # its gradient quantizer's state (FP8 delayed scaling's amax histories)
+    sharded: bool = False  # distributed.strategy=fsdp2: model and optimizer state in step_<N>.dcp/
 
     def state_dict(self, step: int, config: dict[str, Any], wandb_run_id: str | None) -> dict[str, Any]:
         """The checkpoint. Under DDP every rank must call it (it gathers the ranks' RNG states: ``rng`` is
@@ -476,8 +519,9 @@ class CheckpointParts:
             "step": step,
             "config_key": self.key,
             "config": plain(config),
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": self.replicated_model_state() if self.sharded else self.model.state_dict(),
+            "optimizer": {} if self.sharded else self.optimizer.state_dict(),
+            "sharded": self.sharded,
             "schedule": plain(self.scheduler.state_dict()),
             "scaler": plain(self.scaler.state_dict()),
             "rng": rng,
@@ -491,9 +535,20 @@ class CheckpointParts:
             "wandb_run_id": wandb_run_id,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+    def load_state_dict(self, state: dict[str, Any], path: Path | None = None) -> None:
+        """Put a checkpoint back; ``path``: its file, where a sharded checkpoint's shards lie beside it.
+        Sharded: a collective (every rank calls it)."""
+        if bool(state.get("sharded")) != self.sharded:
+            wrote, runs = ("fsdp2", "ddp") if state.get("sharded") else ("ddp", "fsdp2")
+            raise ConfigError(
+                f"checkpoint {path} was written with distributed.strategy={wrote} but this run uses {runs}: "
+                f"resume with distributed.strategy={wrote} (under torchrun), or start a fresh run"
+            )
+        if self.sharded:
+            self.load_shards(shards_of(Path(path)), state["model"])
+        else:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["schedule"])
         self.scaler.load_state_dict(state["scaler"])
         per_rank = state.get("rng_ranks") or []
@@ -509,6 +564,51 @@ class CheckpointParts:
         self.progress.load_state_dict(state.get("progress", {}))
         if self.precision is not None:  # an older checkpoint has none: the quantizer starts afresh
             self.precision.load_state_dict(state.get("grad_quantizer", {}))
+
+    def sharded_state(self) -> dict[str, Any]:
+        """The model's parameters and the optimizer's state as this rank's shards (``DTensor`` values,
+        parameter names as keys), what ``torch.distributed.checkpoint`` writes and reads. The model's buffers
+        are not in it (:meth:`replicated_model_state`). Collective under FSDP2."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        from torch.distributed.tensor import DTensor
+
+        model, optimizer = get_state_dict(self.model, self.optimizer)
+        return {"model": {k: v for k, v in model.items() if isinstance(v, DTensor)}, "optimizer": optimizer}
+
+    def replicated_model_state(self) -> dict[str, Any]:
+        """The model's entries FSDP2 does not shard (buffers: batch norm's running statistics), as this rank
+        holds them; rank 0's go into ``step_<N>.pt``. They are per rank (FSDP2 does not broadcast buffers as
+        DDP does), and ``torch.distributed.checkpoint`` would keep one rank's copy, not necessarily rank
+        0's: a resume gives every rank rank 0's, the ones that evaluate and are saved."""
+        from torch.distributed.tensor import DTensor
+
+        return {k: plain(v) for k, v in self.model.state_dict().items() if not isinstance(v, DTensor)}
+
+    def load_shards(self, folder: Path, replicated: Mapping[str, Any]) -> None:
+        """Read ``folder``'s shards (:meth:`CheckpointManager.save_shards`) and the ``replicated`` entries
+        (:meth:`replicated_model_state`) into the sharded model and optimizer. Collective; ``ConfigError``
+        when the folder is missing."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        if not (folder / ".metadata").is_file():
+            raise ConfigError(
+                f"sharded checkpoint: {folder} (its model and optimizer shards) is missing or incomplete; "
+                "resume from another checkpoint (resume=<file>) or start a fresh run"
+            )
+        state = self.sharded_state()
+        dcp.load(state, checkpoint_id=folder)
+        model, optimizer = {**state["model"], **replicated}, state["optimizer"]
+        set_state_dict(self.model, self.optimizer, model_state_dict=model, optim_state_dict=optimizer)
+
+    def full_model_state(self) -> dict[str, Any]:
+        """The model's state dict with whole tensors on the CPU: gathered from the shards under FSDP2 (a
+        collective: every rank calls it, every rank gets it), else ``model.state_dict()``."""
+        if not self.sharded:
+            return self.model.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
 
 
 # ------------------------------------------------------------------------------ plain-data conversion

@@ -59,7 +59,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.utils.data import DataLoader
 from tqdm.contrib.logging import logging_redirect_tqdm
@@ -96,6 +96,7 @@ from adaloss.logging.run_log import ScalarLog, progress_line, run_name_on_log_li
 from adaloss.precision import Precision
 from adaloss.provenance import collect_provenance
 from adaloss.scalers import LossScaler, build_scaler
+from adaloss.schemas import DistributedConf
 from adaloss.telemetry import UnderflowMonitor
 from adaloss.utils import resolved_config, schedule_length, seed_everything, select_device, validate_config
 from adaloss.utils.allocator import tune_cpu_allocator
@@ -267,6 +268,7 @@ class _Run:
 def _build(cfg: DictConfig, run_dir: Path, config: dict[str, Any], ranks: DistInfo, started: float) -> _Run:
     """Build phase: every part of the run from its config, in the order that fixes the random streams
     (the same on every rank until the model exists). Writes nothing."""
+    strategy = _strategy(cfg, ranks)  # first: a strategy this launch cannot run is refused before any work
     if ranks.device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # fixed input shapes: let cuDNN pick the fastest kernels
     seed_everything(int(cfg.seed))  # the same on every rank: the same initial weights
@@ -286,7 +288,7 @@ def _build(cfg: DictConfig, run_dir: Path, config: dict[str, Any], ranks: DistIn
     # transformed module); ``module`` stays the unwrapped one: state dicts, evaluation, layer names. One
     # process, not compiled: model is module.
     compiler = StepCompiler(module, bool(cfg.trainer.compile), str(cfg.trainer.compile_mode), precision)
-    model = ranks.wrap(compiler.model)
+    model = ranks.wrap(compiler.model, strategy)  # fsdp2: shards module in place (model is module)
     optimizer = build_optimizer(cfg.optimizer, module)  # the same parameter objects as model's
     scheduler = build_schedule(cfg.schedule, optimizer, steps)
     if ranks.rank > 0:  # independent random augmentation per rank (after the identical initialization)
@@ -308,13 +310,39 @@ def _build(cfg: DictConfig, run_dir: Path, config: dict[str, Any], ranks: DistIn
     batches, window = BatchStream(train_loader), task.new_window()
     progress = Progress(best_value=task.initial_best)
     parts = CheckpointParts(
-        key, module, optimizer, scheduler, scaler, batches, window, guard, progress, ranks, precision
-    )
+        key, module, optimizer, scheduler, scaler, batches, window, guard, progress, ranks, precision,
+        sharded=ranks.is_distributed and strategy == "fsdp2",
+    )  # fmt: skip
     return _Run(
         cfg, run_dir, config, ranks, started, task, info, test_loader, steps, full_steps, precision,
         provenance, scaler, module, model, compiler, optimizer, scheduler, monitor, guard, faults,
         checkpoints, key, batches, window, progress, parts,
     )  # fmt: skip
+
+
+def _strategy(cfg: DictConfig, ranks: DistInfo) -> str:
+    """``distributed.strategy`` (the schema's default where a config has no ``distributed`` node), checked
+    against the launch and the settings FSDP2 does not support here."""
+    strategy = str(OmegaConf.select(cfg, "distributed.strategy", default=DistributedConf.strategy))
+    if strategy != "fsdp2":
+        return strategy
+    if not ranks.is_distributed:
+        raise ConfigError(
+            "distributed.strategy=fsdp2 shards the model over torchrun's processes, but this is one process: "
+            "launch with python -m torch.distributed.run --nproc_per_node 2 train.py ... (2 or more), or "
+            "drop distributed.strategy=fsdp2"
+        )
+    unsupported = {
+        "trainer.compile=true": bool(cfg.trainer.compile),
+        "faults.inject (gradient hooks on the sharded parameters)": bool(cfg.get("faults", {}).get("inject")),
+    }
+    for setting, used in unsupported.items():
+        if used:
+            raise ConfigError(
+                f"distributed.strategy=fsdp2 does not support {setting}; drop it, or use "
+                "distributed.strategy=ddp"
+            )
+    return strategy
 
 
 def _build_data(cfg: DictConfig, ranks: DistInfo) -> tuple[Task, Any, DataLoader, DataLoader]:
@@ -360,7 +388,7 @@ def _resume(run: _Run, folder: RunFolder) -> None:
         check_model_shapes(resumed.state, run.module, resumed.path, run.config)  # e.g. another model.hidden
     _on_rank0(ranks, lambda: _refuse_finished(run))
     if resumed is not None:
-        run.parts.load_state_dict(resumed.state)
+        run.parts.load_state_dict(resumed.state, resumed.path)  # fsdp2: every rank reads its shards
         run.done = run.saved = resumed.step
         run.started -= run.progress.elapsed_s  # wall time counts the interrupted part too
         log.info("resuming from %s: iteration %d/%d (epoch %d, batch %d)",
@@ -550,9 +578,11 @@ def _log_progress(run: _Run) -> None:
 
 def _evaluate(run: _Run) -> None:
     """An evaluation step: rank 0 evaluates the unwrapped module (no collectives inside) and tells the
-    others; the best metric so far is updated and logged."""
+    others; the best metric so far is updated and logged. A sharded model (fsdp2) needs every rank in each
+    forward pass (its all-gathers): every rank evaluates the whole test set, and rank 0's result counts."""
     progress, task, done = run.progress, run.task, run.done
-    evaluation = task.evaluate(run.module, run.test_loader, run.precision) if run.ranks.is_main else None
+    evaluates = run.ranks.is_main or run.parts.sharded
+    evaluation = task.evaluate(run.module, run.test_loader, run.precision) if evaluates else None
     progress.evaluation = _shared_evaluation(run.ranks, evaluation)
     test_value = progress.test_value = progress.evaluation.value
     best_value = progress.best_value = task.best(progress.best_value, test_value)
@@ -584,6 +614,8 @@ def _save(run: _Run, step: int) -> int:
         run.scalars.flush(run.mean_over_ranks())  # the rows up to the checkpoint are on disk before it is
     run.progress.elapsed_s = time.perf_counter() - run.started
     state = run.parts.state_dict(step, run.config, run.logger.run_id)  # every rank: gathers RNG states
+    if run.parts.sharded:
+        run.checkpoints.save_shards(run.parts, step)  # every rank: its shards, before rank 0 commits
     if run.ranks.is_main:
         run.checkpoints.save(state, step)
     return step
@@ -610,21 +642,23 @@ def _finish(run: _Run, folder: RunFolder, diverged: TrainingDiverged | None) -> 
     """Finish phase: the metrics, and (rank 0) the record in this order: the last ``scalars.csv`` rows, the
     final weights (``trainer.save_final``), W&B's files, ``metrics.json`` and, last, the ``done`` marker."""
     metrics = _metrics(run, diverged)
-    if os.environ.get(DEBUG_RANK_FILES_ENV) == "1":  # test hook, see DEBUG_RANK_FILES_ENV
+    save_final = bool(run.cfg.trainer.save_final)
+    debug_files = os.environ.get(DEBUG_RANK_FILES_ENV) == "1"  # test hook, see DEBUG_RANK_FILES_ENV
+    # whole weights; gathered from the shards under fsdp2 (every rank takes part)
+    weights = run.parts.full_model_state() if save_final or debug_files else None
+    if debug_files:
         debug = {"loss_scale": metrics["loss_scale"], "skipped_steps": run.scaler.skipped_steps}
-        save_atomic(
-            {**debug, "model": run.module.state_dict()}, run.run_dir / f"debug_rank{run.ranks.rank}.pt"
-        )
+        save_atomic({**debug, "model": weights}, run.run_dir / f"debug_rank{run.ranks.rank}.pt")
     try:
         with writing("scalars", run.scalars.path):
             run.scalars.flush(run.mean_over_ranks())
         if not run.ranks.is_main:
             return metrics  # the same numbers as rank 0's; rank 0 writes them
-        if bool(run.cfg.trainer.save_final):
+        if save_final:
             with writing(
                 "final weights", run.run_dir / "model.pt"
             ):  # read with torch.load(weights_only=True)
-                save_atomic(run.module.state_dict(), run.run_dir / "model.pt")
+                save_atomic(weights, run.run_dir / "model.pt")
         run.logger.finish()  # W&B files are complete before metrics.json marks the run finished
         with writing("metrics", run.run_dir / "metrics.json"):
             write_json_atomic(run.run_dir / "metrics.json", metrics)
