@@ -53,10 +53,12 @@ from adaloss.adaptive.attention import (
     Product,
     mha_core,
 )
+from adaloss.adaptive.capture import ATEN_METADATA, CapturedForward, CaptureError, capture, is_guard
 from adaloss.adaptive.mutation import (
     FIXED_VIEW_FUNCTIONS,
     FIXED_VIEW_METHODS,
     MutationError,
+    aten_view,
     needs_copy,
     redirect_mutations,
     writable,
@@ -359,9 +361,9 @@ def _is_nondiff_use(user: fx.Node, node: fx.Node) -> bool:
     if user.op == "call_function":
         if user.target is getattr and len(user.args) > 1 and user.args[1] in _NONDIFF_ATTRS:
             return True
-        if user.target in (len, isinstance, torch.numel):
+        if user.target in (len, isinstance, torch.numel) or user.target in ATEN_METADATA:
             return True
-    return False
+    return is_guard(user)
 
 
 def _diff_users(node: fx.Node) -> list[fx.Node]:
@@ -378,7 +380,7 @@ def _is_metadata(node: fx.Node, cache: dict[fx.Node, bool]) -> bool:
     elif node.op == "call_function":
         if node.target is getattr and len(node.args) > 1 and node.args[1] in _NONDIFF_ATTRS:
             result = True
-        elif node.target in (len, torch.numel):
+        elif node.target in (len, torch.numel) or node.target in ATEN_METADATA:
             result = True
         elif getattr(node.target, "__module__", None) in ("_operator", "operator"):
             parents = [a for a in node.args if isinstance(a, fx.Node)]
@@ -413,11 +415,16 @@ def _set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
     setattr(parent, name, module)
 
 
-def attach_adaptive(model: nn.Module, state: AdaptiveState, product_betas: bool = True) -> fx.GraphModule:
+def attach_adaptive(
+    model: nn.Module, state: AdaptiveState, product_betas: bool = True, example: tuple | None = None
+) -> nn.Module:
     """Trace ``model`` and return the rewritten module (sharing ``model``'s parameters and buffers).
 
     ``product_betas``: activation-by-activation products and attention calls get a beta of their own
     (:class:`~adaloss.adaptive.ops.ScaledProduct`); without, alpha passes through them unchanged.
+    ``example``: ``(args, kwargs)`` of a forward call; when fx cannot trace the model symbolically, it is
+    captured with ``torch.export`` on these (:mod:`adaloss.adaptive.capture`), rewritten by the same passes,
+    and ``model`` itself is returned with the rewritten graph as its ``forward``.
 
     The rewrite runs as named passes over the traced graph (:class:`_Rewrite`), after in-place writes are
     made visible to the ops that follow them (:func:`adaloss.adaptive.mutation.redirect_mutations`): GEMM
@@ -425,18 +432,8 @@ def attach_adaptive(model: nn.Module, state: AdaptiveState, product_betas: bool 
     copies, the branches' fed inputs and the carried parameters.
     """
     tracer = AdaptiveTracer()
-    try:
-        graph = tracer.trace(model)
-    except AttentionTransformError as exc:
-        raise AdaptiveTransformError(str(exc)) from exc
-    except Exception as exc:  # fx raises several types; the message names the construct
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise AdaptiveTransformError(
-            f"the adaptive scaler cannot rewrite {type(model).__name__}: torch.fx could not trace it "
-            f"({type(exc).__name__}: {first_line}). Make the untraceable part a leaf module or remove "
-            "control flow that depends on tensor values"
-        ) from exc
-    rewrite = _Rewrite(fx.GraphModule(tracer.root, graph, type(model).__name__), state, tracer)
+    gm = _traced(model, tracer, example)
+    rewrite = _Rewrite(gm, state, tracer)
     try:
         redirect_mutations(rewrite.gm, rewrite.untouched, keep=LEAF_GEMMS)
     except MutationError as exc:
@@ -449,12 +446,38 @@ def attach_adaptive(model: nn.Module, state: AdaptiveState, product_betas: bool 
     rewrite.fed_branches()
     rewrite.carried_params()
     state.points.gemm_weights = list(rewrite.weight_params.values())
-    gm = rewrite.gm
     gm.graph.lint()
     gm.recompile()
     first = next(iter(gm.parameters()), None)
     state.allocate(first.device if first is not None else torch.device("cpu"))
+    if getattr(gm, "_adaloss_captured", False):
+        model.forward = CapturedForward(model, gm, *example)
+        return model
     return gm
+
+
+def _traced(model: nn.Module, tracer: AdaptiveTracer, example: tuple | None) -> fx.GraphModule:
+    """The model's graph: fx's symbolic trace, else (given example inputs) ``torch.export``'s capture."""
+    try:
+        graph = tracer.trace(model)
+    except AttentionTransformError as exc:
+        raise AdaptiveTransformError(str(exc)) from exc
+    except Exception as exc:  # fx raises several types; the message names the construct
+        if example is not None:
+            try:
+                gm = capture(model, *example)
+            except CaptureError as captured:
+                raise AdaptiveTransformError(str(captured)) from exc
+            gm._adaloss_captured = True
+            return gm
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise AdaptiveTransformError(
+            f"the adaptive scaler cannot rewrite {type(model).__name__}: torch.fx could not trace it "
+            f"({type(exc).__name__}: {first_line}). Make the untraceable part a leaf module or remove "
+            "control flow that depends on tensor values, or give attach() example inputs "
+            "(scaler.attach(model, input_ids=ids)) so that torch.export captures it"
+        ) from exc
+    return fx.GraphModule(tracer.root, graph, type(model).__name__)
 
 
 class _Rewrite:
@@ -827,6 +850,8 @@ def _param_chain(gm: fx.GraphModule, node: Any) -> list[fx.Node] | None:
     elif node.op == "call_function" and node.target is getattr:
         if node.args[1] not in ("T", "mT"):
             return None
+    elif node.op == "call_function" and aten_view(node.target):
+        pass  # a captured graph's aten.t, aten.view, aten.split, ...
     elif not (
         (node.op == "call_method" and node.target in FIXED_VIEW_METHODS)
         or (node.op == "call_function" and node.target in FIXED_VIEW_FUNCTIONS)
@@ -872,8 +897,9 @@ def _module_path(node: fx.Node) -> str:
 
 def _functional_gemm(gm: fx.GraphModule, node: fx.Node) -> tuple | None:
     """``(input, weight node, bias node, spec, weight value, transpose)`` if ``node`` is ``F.linear``,
-    ``F.conv*`` or ``x @ W`` / ``torch.mm(x, W)`` whose weight (and bias) is a parameter or a fixed view of
-    one and whose input is not; ``transpose``: the weight is ``W`` of ``x @ W`` (``F.linear`` takes W^T)."""
+    ``F.conv*``, ``x @ W`` / ``torch.mm(x, W)`` or ``torch.addmm(b, x, W)`` whose weight (and bias) is a
+    parameter or a fixed view of one and whose input is not; ``transpose``: the weight is ``W`` of
+    ``x @ W`` (``F.linear`` takes W^T)."""
     transpose = False
     if node.op == "call_function" and node.target is F.linear:
         bound = _bind(node, ("input", "weight", "bias"))
@@ -901,6 +927,12 @@ def _functional_gemm(gm: fx.GraphModule, node: fx.Node) -> tuple | None:
                 options.get("groups", 1),
                 options.get("output_padding", 0),
             )
+    elif node.op == "call_function" and node.target is torch.addmm:  # bias + x @ W (GPT-2's Conv1D)
+        bound = _bind(node, ("bias", "input", "weight", "beta", "alpha"))
+        if bound is None or bound.pop("beta", 1) != 1 or bound.pop("alpha", 1) != 1:
+            return None
+        transpose = True
+        spec_of = lambda value: {"kind": "linear"}  # noqa: E731
     elif (node.op == "call_function" and node.target in _MATMUL_FUNCTIONS) or (
         node.op == "call_method" and node.target in _MATMUL_METHODS
     ):
