@@ -169,3 +169,78 @@ def test_import_adaloss_does_not_import_transformers():
     code = "import sys, adaloss, adaloss.adaptive, adaloss.scalers.adaptive\n"
     code += "assert 'transformers' not in sys.modules, 'import adaloss imported transformers'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ------------------------------------------------------------------------------------------- the runner
+
+HF_RUN = (
+    "dataset=pystdlib",
+    "scaler=adaptive",
+    "dataset.block_size=16",
+    "dataset.val_windows=16",
+    "trainer.batch_size=4",
+    "trainer.eval_batch_size=16",
+    "trainer.max_steps=3",
+    "trainer.eval_every=3",
+    "telemetry.every=3",
+)
+
+
+@pytest.mark.parametrize("model", ["hf_gpt2", pytest.param("hf_llama", marks=pytest.mark.slow)])
+def test_a_short_run_trains_with_telemetry_named_after_the_transformers_modules(make_full_cfg, model):
+    """``python train.py model=hf_gpt2 dataset=pystdlib scaler=adaptive``: the bundled config, the vocabulary
+    and context of the data, emulated FP16, the per-layer telemetry and scales under the modules' names."""
+    from adaloss.engine import train
+
+    metrics = train(make_full_cfg(f"model={model}", *HF_RUN))
+    assert metrics["steps"] == 3 and not metrics["diverged"] and metrics["val_loss"] < 6.0
+    layer = "transformer.h.0.attn.c_attn" if model == "hf_gpt2" else "model.layers.0.self_attn.q_proj"
+    assert layer in metrics["underflow_rate"] and layer in metrics["loss_scale"], metrics["loss_scale"]
+
+
+def test_the_runner_says_what_is_missing(monkeypatch):
+    from adaloss.errors import ConfigError
+    from adaloss.models import build_model
+
+    with pytest.raises(ConfigError, match="neither a bundled transformers config .*gpt2_tiny.json"):
+        build_model({"name": "hf_gpt2", "config": "gpt3.json"}, vocab_size=256, block_size=16)
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` raises ImportError
+    with pytest.raises(ConfigError, match=r"transformers is not installed: pip install 'adaloss\[hf\]'"):
+        build_model({"name": "hf_gpt2"}, vocab_size=256, block_size=16)
+
+
+# ----------------------------------------------------------------- checkpointing, encoder-decoder (slow)
+
+
+@pytest.mark.slow
+def test_gradient_checkpointing_is_exact_and_its_memory_cost_is_said():
+    torch.manual_seed(0)
+    model = gpt2()
+    model.gradient_checkpointing_enable()
+    batches = [batch("gpt2", 3, 8), batch("gpt2", 2, 11, seed=1)]
+    with pytest.warns(UserWarning, match="gradient checkpointing on.*memory is as without checkpointing"):
+        report = check_gradients(model, batches, lambda out: out.loss * 1e-6, rules=("reference",))
+    assert report.ok, report.format()
+
+
+@pytest.mark.slow
+def test_t5_encoder_decoder_is_exact():
+    """T5 shifts the labels right into the decoder's input in place (``new_zeros``, a slice, ``copy_``):
+    integer tensors, which carry no gradient, so the rewrite leaves such writes as they are."""
+    torch.manual_seed(0)
+    config = transformers.T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+        decoder_start_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    model = transformers.T5ForConditionalGeneration(config)
+    g = torch.Generator().manual_seed(0)
+
+    def seq2seq(size: int, length: int) -> dict:
+        ids = torch.randint(1, VOCAB, (size, length), generator=g)
+        labels = torch.randint(1, VOCAB, (size, length - 2), generator=g)
+        return {"input_ids": ids, "labels": labels, "use_cache": False}
+
+    report = check_gradients(model, [seq2seq(3, 8), seq2seq(2, 11)], lambda out: out.loss * 1e-6)
+    assert report.ok, report.format()
+    alphas = report.alphas[("reference", "recompute")]
+    assert len(alphas) == 39 and len(set(alphas.values())) >= 3, alphas

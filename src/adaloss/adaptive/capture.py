@@ -22,6 +22,7 @@ graph; any other call runs the model's own forward when no gradient is recorded 
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Any
 
 import torch
@@ -132,6 +133,14 @@ def capture(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
         ) from exc
     finally:
         model.train(was_training)
+    if getattr(model, "is_gradient_checkpointing", False):
+        warnings.warn(
+            f"{type(model).__name__} has gradient checkpointing on; torch.export records the checkpointed "
+            "blocks' ops as they run, so the captured model keeps their activations (gradients are exact, "
+            "memory is as without checkpointing)",
+            UserWarning,
+            stacklevel=4,
+        )
     gm = program.module()
     to_torch_ops(gm)
     return gm
@@ -246,7 +255,3 @@ class CapturedForward:
 def is_guard(node: fx.Node) -> bool:
     """Whether ``node`` is ``ep.module()``'s input check (reads shapes only)."""
     return node.op == "call_module" and node.target == GUARDS
-
-
-def is_metadata_op(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target in ATEN_METADATA

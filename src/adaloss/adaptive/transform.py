@@ -389,6 +389,13 @@ def _is_metadata(node: fx.Node, cache: dict[fx.Node, bool]) -> bool:
     return result
 
 
+def _carries_no_gradient(node: fx.Node) -> bool:
+    """Whether a captured graph records ``node``'s value as a tensor that cannot carry a gradient (integer
+    or boolean: token ids, masks). fx's symbolic trace records no values, so there it is never known."""
+    value = node.meta.get("val")
+    return isinstance(value, torch.Tensor) and not (value.is_floating_point() or value.is_complex())
+
+
 def _is_container(node: fx.Node) -> bool:
     users = _diff_users(node)
     return bool(users) and all(u.op == "call_function" and u.target is operator.getitem for u in users)
@@ -499,11 +506,12 @@ class _Rewrite:
 
     def untouched(self, node: fx.Node) -> bool:
         """Values whose in-place writes the rewrite leaves as they are: sizes, parameters and buffers (and
-        fixed views of parameters)."""
+        fixed views of parameters), and in a captured graph tensors that carry no gradient (token ids)."""
         return (
             node.op == "get_attr"
             or _is_metadata(node, self.metadata)
             or _param_chain(self.gm, node) is not None
+            or _carries_no_gradient(node)
         )
 
     def point_name(self, base: str) -> str:
@@ -674,8 +682,8 @@ class _Rewrite:
         for node in list(self.graph.nodes):
             if node.op == "output" or _is_metadata(node, self.metadata) or _is_container(node):
                 continue
-            if node in self.chains or node.op == "get_attr":
-                continue  # GEMM weights, parameters (per use), buffers and constants
+            if node in self.chains or node.op == "get_attr" or _carries_no_gradient(node):
+                continue  # GEMM weights, parameters (per use), buffers, constants, integer tensors
             users = _diff_users(node)
             if len(users) < 2:
                 continue
@@ -734,8 +742,8 @@ class _Rewrite:
         """Which slot's alpha each point reads: the static wiring of ``<alpha, delta>`` (Algorithm 3)."""
         slot: dict[fx.Node, int | None] = {}
         for node in reversed(list(self.graph.nodes)):
-            if node.op == "output" or _is_metadata(node, self.metadata):
-                continue  # sizes and shapes carry no gradient (and may feed ops on both sides of a GEMM)
+            if node.op == "output" or _is_metadata(node, self.metadata) or _carries_no_gradient(node):
+                continue  # sizes, shapes, ids, masks: no gradient (and may feed ops on both sides of a GEMM)
             if node in self.branch_nodes:
                 getitems = sorted(node.users, key=lambda g: g.args[1])
                 self.branch_nodes[node].in_slots = [slot.get(g) or 0 for g in getitems]
