@@ -133,7 +133,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
         ) from exc
     finally:
         model.train(was_training)
-    if getattr(model, "is_gradient_checkpointing", False):
+    if getattr(model, "is_activation_checkpointing", False):  # transformers' flag
         warnings.warn(
             f"{type(model).__name__} has gradient checkpointing on; torch.export records the checkpointed "
             "blocks' ops as they run, so the captured model keeps their activations (gradients are exact, "
