@@ -160,6 +160,9 @@ def test_the_model_keeps_its_class_state_dict_generate_and_save():
     ids, rest = inputs["input_ids"], {k: v for k, v in inputs.items() if k != "input_ids"}
     scaler.scale(attached(ids, **rest).loss).backward()  # the captured call, positional or by name
     assert all(p.grad is not None for p in attached.parameters())
+    one = torch.randint(1, VOCAB, (1, 1))  # batch size and length 1, after a capture on (3, 8)
+    out = attached(input_ids=one, attention_mask=torch.ones_like(one), labels=one, use_cache=False)
+    assert out.logits.shape == (1, 1, VOCAB)
     attached.eval()
     with torch.no_grad():  # another call (generate's cache): the model's own forward, same values
         out = attached.generate(
