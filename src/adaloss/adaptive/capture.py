@@ -8,8 +8,9 @@ batch sizes and sequence lengths), and brings the exported graph to the vocabula
 :mod:`adaloss.adaptive.transform` read (:func:`to_torch_ops`): ATen GEMMs, products and attention become
 the torch functions the recognizers know (``aten.linear`` -> ``F.linear``, ``aten.addmm`` (GPT-2's
 ``Conv1D``) -> ``torch.addmm``, ``aten.scaled_dot_product_attention`` -> ``F.scaled_dot_product_attention``,
-...), and the dropouts, whose ``train`` flag export fixes, become ``nn.Dropout`` modules that follow
-``train()`` / ``eval()``. The graph's parameters are the model's own objects, read by their qualified names
+...), the dropouts, whose ``train`` flag export fixes, become ``nn.Dropout`` modules that follow
+``train()`` / ``eval()``, and the other arguments export fixes at their training-mode value (attention's
+``dropout_p``, batch norm's ``training``) become :class:`TrainingValue` calls. The graph's parameters are the model's own objects, read by their qualified names
 (``transformer.h.0.attn.c_attn.weight``), so the points are named after the model's modules.
 
 :class:`CapturedForward` then becomes the model's own ``forward`` (an instance attribute): the model keeps
@@ -32,7 +33,7 @@ from torch import nn
 
 from adaloss.errors import ConfigError
 
-__all__ = ["ATEN_AS_TORCH", "ATEN_METADATA", "CapturedForward", "TrainingOnly", "capture", "to_torch_ops"]
+__all__ = ["ATEN_AS_TORCH", "ATEN_METADATA", "CapturedForward", "TrainingValue", "capture", "to_torch_ops"]
 
 _aten = torch.ops.aten
 
@@ -69,11 +70,17 @@ ATEN_METADATA = {
 
 #: ops whose ``train`` argument export fixes and the rewrite cannot make follow ``train()`` / ``eval()``
 _TRAINING_FIXED = {
-    _aten.batch_norm.default: "batch norm",
-    _aten.instance_norm.default: "instance norm",
     _aten.feature_dropout.default: "feature dropout",
     _aten.alpha_dropout.default: "alpha dropout",
 }
+#: ops with a training-mode argument the capture makes follow the mode: its position, its value in eval mode
+_FOLLOWS_MODE = {
+    F.scaled_dot_product_attention: (4, 0.0),  # dropout_p
+    _aten.batch_norm.default: (5, False),  # training (with running statistics: argument 3 is a tensor)
+    _aten.instance_norm.default: (5, False),  # use_input_stats (likewise)
+}
+
+_NORMS = (_aten.batch_norm.default, _aten.instance_norm.default)
 
 #: the call_module node with which ``ep.module()`` checks its inputs against the exported shapes
 GUARDS = "_guards_fn"
@@ -83,18 +90,19 @@ class CaptureError(ConfigError):
     """The model could not be captured with ``torch.export`` (raised as ``AdaptiveTransformError``)."""
 
 
-class TrainingOnly(nn.Module):
-    """``p`` in training mode, 0 in eval mode: the ``dropout_p`` of an attention call, which export fixes."""
+class TrainingValue(nn.Module):
+    """An argument export fixed at its training-mode value: ``training`` while the model trains, ``eval``
+    otherwise (an attention call's ``dropout_p``: p or 0; batch norm's ``training``: True or False)."""
 
-    def __init__(self, p: float) -> None:
+    def __init__(self, training: Any, eval: Any) -> None:  # noqa: A002 - the mode's name
         super().__init__()
-        self.p = float(p)
+        self.values = (training, eval)
 
-    def forward(self) -> float:
-        return self.p if self.training else 0.0
+    def forward(self) -> Any:
+        return self.values[0] if self.training else self.values[1]
 
     def extra_repr(self) -> str:
-        return f"p={self.p} while training"
+        return f"{self.values[0]} while training, else {self.values[1]}"
 
 
 def _dynamic_shapes(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -173,11 +181,9 @@ def to_torch_ops(gm: fx.GraphModule) -> None:
                 "fixes; the adaptive scaler captures such models only when fx can trace them: make the "
                 "module a traceable one or train without it"
             )
-        if node.target in ATEN_AS_TORCH:
-            node.target = ATEN_AS_TORCH[node.target]
-            if node.target is F.scaled_dot_product_attention:
-                _follow_training_in_attention(gm, node, dropouts)
-                dropouts += 1
+        node.target = ATEN_AS_TORCH.get(node.target, node.target)
+        if node.target in _FOLLOWS_MODE:
+            dropouts += _follow_mode(gm, node, dropouts)
         elif node.target is _aten.dropout.default:
             x, p, train = node.args
             if not train:
@@ -195,20 +201,29 @@ def to_torch_ops(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
-def _follow_training_in_attention(gm: fx.GraphModule, node: fx.Node, k: int) -> None:
-    """An attention call's ``dropout_p`` (argument 4), fixed by export, becomes ``p`` while training only."""
+def _follow_mode(gm: fx.GraphModule, node: fx.Node, k: int) -> int:
+    """An argument export fixed at its training-mode value (:data:`_FOLLOWS_MODE`) becomes a
+    :class:`TrainingValue` call, unless it is already its eval-mode value (or batch norm has no running
+    statistics: then it always normalizes by the batch's). Returns how many modules it added (0 or 1)."""
+    position, eval_value = _FOLLOWS_MODE[node.target]
     args = list(node.args)
-    p = args[4] if len(args) > 4 else node.kwargs.get("dropout_p", 0.0)
-    if isinstance(p, fx.Node) or not p:
-        return
-    gm.add_submodule(f"_adaloss_dropout_{k}", TrainingOnly(p))
+    if node.target in _NORMS and not isinstance(args[3], fx.Node):  # no running statistics
+        return 0
+    if position < len(args):
+        value = args[position]
+    else:
+        value = node.kwargs.get("dropout_p", eval_value)  # sdpa's only keyword that follows the mode
+    if isinstance(value, fx.Node) or value == eval_value:
+        return 0
+    gm.add_submodule(f"_adaloss_mode_{k}", TrainingValue(value, eval_value))
     with gm.graph.inserting_before(node):
-        flag = gm.graph.call_module(f"_adaloss_dropout_{k}", ())
-    if len(args) > 4:
-        args[4] = flag
+        flag = gm.graph.call_module(f"_adaloss_mode_{k}", ())
+    if position < len(args):
+        args[position] = flag
         node.args = tuple(args)
     else:
         node.kwargs = {**node.kwargs, "dropout_p": flag}
+    return 1
 
 
 def _where(node: fx.Node) -> str:
@@ -225,8 +240,8 @@ class CapturedForward:
     def __init__(self, model: nn.Module, gm: fx.GraphModule, args: tuple, kwargs: dict) -> None:
         self.model = model
         self.gm = gm
-        self.own = type(model).forward.__get__(model)
-        self.signature = inspect.signature(self.own)
+        self.own = type(model).forward  # unbound: a deep copy of the model must not bind it to this one
+        self.signature = inspect.signature(self.own.__get__(model))
         self.positional = _positional_names(model, len(args))
         self.keywords = tuple(kwargs)
         self.names = frozenset((*self.positional, *self.keywords))
@@ -243,7 +258,7 @@ class CapturedForward:
                     module.training = model.training
             return gm(*(given[n] for n in self.positional), **{k: given[k] for k in self.keywords})
         if not torch.is_grad_enabled():
-            return self.own(*args, **kwargs)
+            return self.own(model, *args, **kwargs)
         called = sorted(given) if given is not None else [f"{len(args)} positional", *sorted(kwargs)]
         raise CaptureError(
             f"adaptive loss scaling: {type(model).__name__} was captured for a call with "
