@@ -10,8 +10,9 @@ the torch functions the recognizers know (``aten.linear`` -> ``F.linear``, ``ate
 ``Conv1D``) -> ``torch.addmm``, ``aten.scaled_dot_product_attention`` -> ``F.scaled_dot_product_attention``,
 ...), the dropouts, whose ``train`` flag export fixes, become ``nn.Dropout`` modules that follow
 ``train()`` / ``eval()``, and the other arguments export fixes at their training-mode value (attention's
-``dropout_p``, batch norm's ``training``) become :class:`TrainingValue` calls. The graph's parameters are the model's own objects, read by their qualified names
-(``transformer.h.0.attn.c_attn.weight``), so the points are named after the model's modules.
+``dropout_p``, batch norm's ``training``) become :class:`TrainingValue` calls. The graph's parameters are
+the model's own objects, read by their qualified names (``transformer.h.0.attn.c_attn.weight``), so the
+points are named after the model's modules.
 
 :class:`CapturedForward` then becomes the model's own ``forward`` (an instance attribute): the model keeps
 its class, its ``state_dict()`` keys and its methods (``generate()``, ``save_pretrained()``). A call with
