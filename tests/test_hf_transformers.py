@@ -178,6 +178,18 @@ def test_the_model_keeps_its_class_state_dict_generate_and_save():
         attached(inputs["input_ids"])  # gradients recorded, not the captured call: refused by name
 
 
+def test_root_adaptive_keeps_the_output_class():
+    """``root="adaptive"`` probes the model's outputs; a transformers output stays a ModelOutput."""
+    torch.manual_seed(0)
+    scaler = AdaptiveLossScaler(root="adaptive")
+    inputs = batch("gpt2", 3, 8)
+    model = scaler.attach(gpt2(), **inputs)
+    out = model(**inputs)
+    assert type(out).__name__ == "CausalLMOutputWithCrossAttentions"
+    scaler.scale(out.loss).backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
 def test_untraceable_models_get_one_line_that_says_what_to_do():
     with pytest.raises(AdaptiveTransformError, match=r"give attach\(\) example inputs"):
         AdaptiveLossScaler().attach(gpt2())

@@ -794,7 +794,13 @@ class _LossGradientHook:
         if isinstance(value, (list, tuple)):
             return type(value)(self._wrap(v) for v in value)
         if isinstance(value, dict):
-            return {k: self._wrap(v) for k, v in value.items()}
+            wrapped = {k: self._wrap(v) for k, v in value.items()}
+            if type(value) is dict:
+                return wrapped
+            try:  # a dict of its own class (a transformers ModelOutput, an OrderedDict) stays one
+                return type(value)(**wrapped)
+            except TypeError:
+                return wrapped
         return value
 
 
