@@ -36,6 +36,8 @@ def test_every_group_has_the_expected_options() -> None:
         "custom",
         "gpt",
         "gpt2_small",
+        "hf_gpt2",
+        "hf_llama",
         "mlp",
         "resnet110",
         "resnet18",
@@ -78,6 +80,8 @@ def test_every_option_composes_and_resolves(group: str, option: str) -> None:
             "ssd512": "dataset=voc",
             "gpt": "dataset=pystdlib",
             "gpt2_small": "dataset=tokens",
+            "hf_gpt2": "dataset=pystdlib",
+            "hf_llama": "dataset=pystdlib",
         },
         "dataset": {
             "shapes": "model=ssd512 dataset=shapes",

@@ -695,6 +695,22 @@ class GPTConf(PartConf):
 
 
 @dataclass
+class HFCausalLMConf(PartConf):
+    """A Hugging Face transformers causal LM from a bundled config file (``adaloss.models.hf``)."""
+
+    TASK: ClassVar[str | None] = "language_model"
+    _target_: str = "adaloss.models.hf.causal_lm"
+    config: str = MISSING  # a file of configs/model/hf/ (gpt2_tiny.json) or a path
+    attn_implementation: str = "sdpa"  # eager | sdpa
+    vocab_size: int | None = if_set()  # null: the dataset's
+    block_size: int | None = if_set()  # null: the dataset's
+
+    def __post_init__(self) -> None:
+        positive_int(self, "vocab_size", 256, optional=True)
+        positive_int(self, "block_size", 64, optional=True)
+
+
+@dataclass
 class SSDConf(PartConf):
     TASK: ClassVar[str | None] = "detection"
     _target_: str = "adaloss.models.ssd.ssd_detector"
@@ -907,6 +923,7 @@ SCHEMAS: tuple[tuple[str, str, type], ...] = (
     ("model", "vgg", VGGConf),
     ("model", "vit", ViTConf),
     ("model", "gpt", GPTConf),
+    ("model", "hf_causal_lm", HFCausalLMConf),
     ("model", "ssd", SSDConf),
     ("model", "custom", CustomConf),
     ("dataset", "cifar", CifarConf),

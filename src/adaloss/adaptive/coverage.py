@@ -34,6 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from adaloss.adaptive.attention import AttentionCore, LeafGEMMs, Product
+from adaloss.adaptive.capture import CapturedForward
 from adaloss.adaptive.mutation import is_view_op
 from adaloss.adaptive.ops import AdaptiveState, GemmPoint, ScaledGEMM
 from adaloss.adaptive.transform import AdaptiveGEMM, FunctionalGEMM, ParamUnscaleModule, UnscaledParams
@@ -56,7 +57,7 @@ OTHER_REASON = "not multiplied by a GEMM point"
 #: Recurrent modules: fx keeps each a leaf, and its GEMMs run inside one ATen op (``aten::lstm``, ...).
 RECURRENT_TYPES = (nn.RNNBase, nn.RNNCellBase)
 _LOOKUP_TYPES = (nn.Embedding, nn.EmbeddingBag)
-_LOOKUP_FUNCTIONS = {F.embedding, F.embedding_bag, torch.embedding}
+_LOOKUP_FUNCTIONS = {F.embedding, F.embedding_bag, torch.embedding, torch.ops.aten.embedding.default}
 
 #: ATen ops that multiply matrices: the plain GEMMs and the fused recurrent kernels (cuDNN, MIOpen, oneDNN).
 _GEMM_OP_NAMES = (
@@ -232,10 +233,11 @@ def build_coverage(
     calls = None
     if example_args or example_kwargs:
         calls = count_gemm_calls(model, names, example_args, example_kwargs or {})
-    report = Coverage(points=_points(model, state, names), calls=calls)
+    rewritten = _rewritten_graph(model)
+    report = Coverage(points=_points(rewritten, state, names), calls=calls)
     under = {id(p) for p in state.points.gemm_weights}
-    graph = model.graph if isinstance(model, fx.GraphModule) else None
-    uses = _param_uses(model, graph) if graph is not None else {}
+    graph = rewritten.graph if isinstance(rewritten, fx.GraphModule) else None
+    uses = _param_uses(rewritten, graph) if graph is not None else {}
     seen_outside = {c.param: c.op for c in reversed(report.outside)}  # the first op per parameter
     under_products = {name for name, (kind, _) in uses.items() if kind == "product"}
     for name, p in model.named_parameters():
@@ -293,6 +295,13 @@ def _param_names(model: nn.Module) -> dict[int, str]:
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), name)
     return names
+
+
+def _rewritten_graph(model: nn.Module) -> nn.Module:
+    """The module holding the rewritten graph: ``model`` itself, or for a model captured with
+    ``torch.export`` the graph its forward runs (:class:`~adaloss.adaptive.capture.CapturedForward`)."""
+    forward = model.__dict__.get("forward")
+    return forward.gm if isinstance(forward, CapturedForward) else model
 
 
 def _points(model: nn.Module, state: AdaptiveState, names: dict[int, str]) -> list[PointCoverage]:

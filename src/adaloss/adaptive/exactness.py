@@ -134,7 +134,7 @@ class ExactnessReport:
 def _gradients(model: nn.Module, batch: Any, loss_fn: Callable, seed: int, scale: Any = None) -> Any:
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)  # dropout and other random ops draw the same numbers in every run
-    out = model(*batch)
+    out = model(**batch) if isinstance(batch, dict) else model(*batch)
     loss = loss_fn(out)
     (scale(loss) if scale is not None else loss).backward()
     return out
@@ -163,12 +163,17 @@ def _outputs_equal(got: Any, expected: Any) -> bool:
     return True
 
 
-def _cast(batch: Sequence[Any], dtype: torch.dtype) -> tuple[Any, ...]:
+def _cast(batch: Sequence[Any] | dict[str, Any], dtype: torch.dtype) -> tuple[Any, ...] | dict[str, Any]:
     """A fresh copy of the batch (a model may write into its input), floating tensors in ``dtype``."""
-    return tuple(
-        (t.to(dtype, copy=True) if t.is_floating_point() else t.clone()) if isinstance(t, torch.Tensor) else t
-        for t in batch
-    )
+
+    def cast(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        return t.to(dtype, copy=True) if t.is_floating_point() else t.clone()
+
+    if isinstance(batch, dict):
+        return {k: cast(v) for k, v in batch.items()}
+    return tuple(cast(t) for t in batch)
 
 
 def check_gradients(
@@ -182,12 +187,14 @@ def check_gradients(
     """Attach a float64 copy of ``model`` to an ``AdaptiveLossScaler`` per rule and compare, step by step,
     its unscaled gradients with plain backprop's on the same batches (``model`` itself is not changed).
 
-    ``batches``: the positional inputs of each step; the first step recomputes the scales, the others reuse
-    them (``update_every=len(batches)``), reading them from the scale buffers. ``loss_fn(output)``
+    ``batches``: the positional inputs of each step (or a dict of keyword inputs); the first step
+    recomputes the scales, the others reuse them (``update_every=len(batches)``), reading them from the
+    scale buffers. ``loss_fn(output)``
     makes the loss; scale it down (e.g. by 1e-9) so that the betas exceed 1 and the alphas differ between
     branches, or the check checks little. ``scaler_options`` go to ``AdaptiveLossScaler``. Every forward
     pass is seeded with ``seed`` (dropout draws the same masks). Runs on the CPU; float64 and float32
-    copies of the model are made. No optimizer step is taken: the weights stay as given."""
+    copies of the model are made. No optimizer step is taken: the weights stay as given. A model torch.fx
+    cannot trace is captured with ``torch.export`` on the first batch (``AdaptiveLossScaler.attach``)."""
     from adaloss.scalers.adaptive import AdaptiveLossScaler  # the scaler imports this package
 
     reference, noisy = copy.deepcopy(model).double(), copy.deepcopy(model).float()
@@ -199,7 +206,11 @@ def check_gradients(
     report = ExactnessReport()
     for rule in rules:
         scaler = AdaptiveLossScaler(update_every=len(batches), rule=rule, **scaler_options)
-        attached = scaler.attach(copy.deepcopy(reference))
+        example = _cast(batches[0], torch.float64)  # captured with torch.export if fx cannot trace it
+        if isinstance(example, dict):
+            attached = scaler.attach(copy.deepcopy(reference), **example)
+        else:
+            attached = scaler.attach(copy.deepcopy(reference), *example)
         optimizer = torch.optim.SGD(attached.parameters(), lr=0.0)
         for step, (batch, (out, ref, ref32)) in enumerate(zip(batches, expected, strict=True)):
             key = (rule, "recompute" if step == 0 else "reuse")

@@ -128,7 +128,8 @@ def mutated_input(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
     if node.op == "call_function":
         if node.target in _INPLACE_OPERATORS or node.kwargs.get("inplace") is True:
             return first
-        name = getattr(node.target, "__name__", "")
+        # an ATen op's name is ``add_.Tensor``: its ``_opname`` is the part before the overload
+        name = getattr(node.target, "_opname", None) or getattr(node.target, "__name__", "")
         return first if name.endswith("_") and not name.startswith("_") else None
     return None
 
@@ -206,9 +207,16 @@ def view_source(node: fx.Node) -> fx.Node | None:
     return src if is_view_op(node) else None
 
 
+def aten_view(target: Any) -> bool:
+    """Whether ``target`` is an ATen op (of a graph captured with ``torch.export``) that returns a view."""
+    return isinstance(target, torch._ops.OpOverload) and target.is_view
+
+
 def _returns_views(node: fx.Node) -> bool:
     if node.op == "call_method":
         return node.target in _TUPLE_VIEW_METHODS
+    if node.op == "call_function" and aten_view(node.target):  # aten.split, aten.unbind, ...
+        return isinstance(node.target._schema.returns[0].type, torch.ListType)
     return node.op == "call_function" and node.target in _TUPLE_VIEW_FUNCTIONS
 
 
@@ -221,6 +229,7 @@ def is_view_op(node: fx.Node) -> bool:
             node.target in VIEW_FUNCTIONS
             or node.target in _TUPLE_VIEW_FUNCTIONS
             or node.target is operator.getitem
+            or aten_view(node.target)
         )
     return False
 

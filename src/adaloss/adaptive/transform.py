@@ -53,10 +53,12 @@ from adaloss.adaptive.attention import (
     Product,
     mha_core,
 )
+from adaloss.adaptive.capture import ATEN_METADATA, CapturedForward, CaptureError, capture, is_guard
 from adaloss.adaptive.mutation import (
     FIXED_VIEW_FUNCTIONS,
     FIXED_VIEW_METHODS,
     MutationError,
+    aten_view,
     needs_copy,
     redirect_mutations,
     writable,
@@ -362,9 +364,9 @@ def _is_nondiff_use(user: fx.Node, node: fx.Node) -> bool:
     if user.op == "call_function":
         if user.target is getattr and len(user.args) > 1 and user.args[1] in _NONDIFF_ATTRS:
             return True
-        if user.target in (len, isinstance, torch.numel):
+        if user.target in (len, isinstance, torch.numel) or user.target in ATEN_METADATA:
             return True
-    return False
+    return is_guard(user)
 
 
 def _diff_users(node: fx.Node) -> list[fx.Node]:
@@ -381,13 +383,20 @@ def _is_metadata(node: fx.Node, cache: dict[fx.Node, bool]) -> bool:
     elif node.op == "call_function":
         if node.target is getattr and len(node.args) > 1 and node.args[1] in _NONDIFF_ATTRS:
             result = True
-        elif node.target in (len, torch.numel):
+        elif node.target in (len, torch.numel) or node.target in ATEN_METADATA:
             result = True
         elif getattr(node.target, "__module__", None) in ("_operator", "operator"):
             parents = [a for a in node.args if isinstance(a, fx.Node)]
             result = bool(parents) and all(_is_metadata(p, cache) for p in parents)
     cache[node] = result
     return result
+
+
+def _carries_no_gradient(node: fx.Node) -> bool:
+    """Whether a captured graph records ``node``'s value as a tensor that cannot carry a gradient (integer
+    or boolean: token ids, masks). fx's symbolic trace records no values, so there it is never known."""
+    value = node.meta.get("val")
+    return isinstance(value, torch.Tensor) and not (value.is_floating_point() or value.is_complex())
 
 
 def _is_container(node: fx.Node) -> bool:
@@ -416,11 +425,16 @@ def _set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
     setattr(parent, name, module)
 
 
-def attach_adaptive(model: nn.Module, state: AdaptiveState, product_betas: bool = True) -> fx.GraphModule:
+def attach_adaptive(
+    model: nn.Module, state: AdaptiveState, product_betas: bool = True, example: tuple | None = None
+) -> nn.Module:
     """Trace ``model`` and return the rewritten module (sharing ``model``'s parameters and buffers).
 
     ``product_betas``: activation-by-activation products and attention calls get a beta of their own
     (:class:`~adaloss.adaptive.ops.ScaledProduct`); without, alpha passes through them unchanged.
+    ``example``: ``(args, kwargs)`` of a forward call; when fx cannot trace the model symbolically, it is
+    captured with ``torch.export`` on these (:mod:`adaloss.adaptive.capture`), rewritten by the same passes,
+    and ``model`` itself is returned with the rewritten graph as its ``forward``.
 
     The rewrite runs as named passes over the traced graph (:class:`_Rewrite`), after in-place writes are
     made visible to the ops that follow them (:func:`adaloss.adaptive.mutation.redirect_mutations`): GEMM
@@ -428,18 +442,8 @@ def attach_adaptive(model: nn.Module, state: AdaptiveState, product_betas: bool 
     copies, the branches' fed inputs and the carried parameters.
     """
     tracer = AdaptiveTracer()
-    try:
-        graph = tracer.trace(model)
-    except AttentionTransformError as exc:
-        raise AdaptiveTransformError(str(exc)) from exc
-    except Exception as exc:  # fx raises several types; the message names the construct
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise AdaptiveTransformError(
-            f"the adaptive scaler cannot rewrite {type(model).__name__}: torch.fx could not trace it "
-            f"({type(exc).__name__}: {first_line}). Make the untraceable part a leaf module or remove "
-            "control flow that depends on tensor values"
-        ) from exc
-    rewrite = _Rewrite(fx.GraphModule(tracer.root, graph, type(model).__name__), state, tracer)
+    gm = _traced(model, tracer, example)
+    rewrite = _Rewrite(gm, state, tracer)
     try:
         redirect_mutations(rewrite.gm, rewrite.untouched, keep=LEAF_GEMMS)
     except MutationError as exc:
@@ -452,12 +456,38 @@ def attach_adaptive(model: nn.Module, state: AdaptiveState, product_betas: bool 
     rewrite.fed_branches()
     rewrite.carried_params()
     state.points.gemm_weights = list(rewrite.weight_params.values())
-    gm = rewrite.gm
     gm.graph.lint()
     gm.recompile()
     first = next(iter(gm.parameters()), None)
     state.allocate(first.device if first is not None else torch.device("cpu"))
+    if getattr(gm, "_adaloss_captured", False):
+        model.forward = CapturedForward(model, gm, *example)
+        return model
     return gm
+
+
+def _traced(model: nn.Module, tracer: AdaptiveTracer, example: tuple | None) -> fx.GraphModule:
+    """The model's graph: fx's symbolic trace, else (given example inputs) ``torch.export``'s capture."""
+    try:
+        graph = tracer.trace(model)
+    except AttentionTransformError as exc:
+        raise AdaptiveTransformError(str(exc)) from exc
+    except Exception as exc:  # fx raises several types; the message names the construct
+        if example is not None:
+            try:
+                gm = capture(model, *example)
+            except CaptureError as captured:
+                raise AdaptiveTransformError(str(captured)) from exc
+            gm._adaloss_captured = True
+            return gm
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise AdaptiveTransformError(
+            f"the adaptive scaler cannot rewrite {type(model).__name__}: torch.fx could not trace it "
+            f"({type(exc).__name__}: {first_line}). Make the untraceable part a leaf module or remove "
+            "control flow that depends on tensor values, or give attach() example inputs "
+            "(scaler.attach(model, input_ids=ids)) so that torch.export captures it"
+        ) from exc
+    return fx.GraphModule(tracer.root, graph, type(model).__name__)
 
 
 class _Rewrite:
@@ -479,11 +509,12 @@ class _Rewrite:
 
     def untouched(self, node: fx.Node) -> bool:
         """Values whose in-place writes the rewrite leaves as they are: sizes, parameters and buffers (and
-        fixed views of parameters)."""
+        fixed views of parameters), and in a captured graph tensors that carry no gradient (token ids)."""
         return (
             node.op == "get_attr"
             or _is_metadata(node, self.metadata)
             or _param_chain(self.gm, node) is not None
+            or _carries_no_gradient(node)
         )
 
     def point_name(self, base: str) -> str:
@@ -654,8 +685,8 @@ class _Rewrite:
         for node in list(self.graph.nodes):
             if node.op == "output" or _is_metadata(node, self.metadata) or _is_container(node):
                 continue
-            if node in self.chains or node.op == "get_attr":
-                continue  # GEMM weights, parameters (per use), buffers and constants
+            if node in self.chains or node.op == "get_attr" or _carries_no_gradient(node):
+                continue  # GEMM weights, parameters (per use), buffers, constants, integer tensors
             users = _diff_users(node)
             if len(users) < 2:
                 continue
@@ -714,8 +745,8 @@ class _Rewrite:
         """Which slot's alpha each point reads: the static wiring of ``<alpha, delta>`` (Algorithm 3)."""
         slot: dict[fx.Node, int | None] = {}
         for node in reversed(list(self.graph.nodes)):
-            if node.op == "output" or _is_metadata(node, self.metadata):
-                continue  # sizes and shapes carry no gradient (and may feed ops on both sides of a GEMM)
+            if node.op == "output" or _is_metadata(node, self.metadata) or _carries_no_gradient(node):
+                continue  # sizes, shapes, ids, masks: no gradient (and may feed ops on both sides of a GEMM)
             if node in self.branch_nodes:
                 getitems = sorted(node.users, key=lambda g: g.args[1])
                 self.branch_nodes[node].in_slots = [slot.get(g) or 0 for g in getitems]
@@ -830,6 +861,8 @@ def _param_chain(gm: fx.GraphModule, node: Any) -> list[fx.Node] | None:
     elif node.op == "call_function" and node.target is getattr:
         if node.args[1] not in ("T", "mT"):
             return None
+    elif node.op == "call_function" and aten_view(node.target):
+        pass  # a captured graph's aten.t, aten.view, aten.split, ...
     elif not (
         (node.op == "call_method" and node.target in FIXED_VIEW_METHODS)
         or (node.op == "call_function" and node.target in FIXED_VIEW_FUNCTIONS)
@@ -875,8 +908,9 @@ def _module_path(node: fx.Node) -> str:
 
 def _functional_gemm(gm: fx.GraphModule, node: fx.Node) -> tuple | None:
     """``(input, weight node, bias node, spec, weight value, transpose)`` if ``node`` is ``F.linear``,
-    ``F.conv*`` or ``x @ W`` / ``torch.mm(x, W)`` whose weight (and bias) is a parameter or a fixed view of
-    one and whose input is not; ``transpose``: the weight is ``W`` of ``x @ W`` (``F.linear`` takes W^T)."""
+    ``F.conv*``, ``x @ W`` / ``torch.mm(x, W)`` or ``torch.addmm(b, x, W)`` whose weight (and bias) is a
+    parameter or a fixed view of one and whose input is not; ``transpose``: the weight is ``W`` of
+    ``x @ W`` (``F.linear`` takes W^T)."""
     transpose = False
     if node.op == "call_function" and node.target is F.linear:
         bound = _bind(node, ("input", "weight", "bias"))
@@ -904,6 +938,12 @@ def _functional_gemm(gm: fx.GraphModule, node: fx.Node) -> tuple | None:
                 options.get("groups", 1),
                 options.get("output_padding", 0),
             )
+    elif node.op == "call_function" and node.target is torch.addmm:  # bias + x @ W (GPT-2's Conv1D)
+        bound = _bind(node, ("bias", "input", "weight", "beta", "alpha"))
+        if bound is None or bound.pop("beta", 1) != 1 or bound.pop("alpha", 1) != 1:
+            return None
+        transpose = True
+        spec_of = lambda value: {"kind": "linear"}  # noqa: E731
     elif (node.op == "call_function" and node.target in _MATMUL_FUNCTIONS) or (
         node.op == "call_method" and node.target in _MATMUL_METHODS
     ):

@@ -99,6 +99,11 @@ class Task(ABC):
         self.model = model  # the module to train: the scaler attaches to it, the optimizer steps it
         self.device = device
 
+    def example_inputs(self) -> tuple[Any, ...]:
+        """A forward call's positional inputs, for ``scaler.attach`` to capture a model torch.fx cannot trace
+        (``torch.export``); ``()``: none (the model must trace with fx)."""
+        return ()
+
     @abstractmethod
     def to_device(self, batch: Any) -> Any:
         """``batch`` (as the loader yields it) on ``self.device``."""
@@ -245,6 +250,11 @@ class LanguageModelTask(Task):
                     "dataset)"
                 )
         super().__init__(model, device)
+        self.block_size = getattr(info, "block_size", None)
+
+    def example_inputs(self) -> tuple[Tensor, ...]:
+        """Two windows of token 0 (a Hugging Face model is captured on them: sizes of 1 would be fixed)."""
+        return (torch.zeros(2, self.block_size or 2, dtype=torch.long, device=self.device),)
 
     def to_device(self, batch: Any) -> tuple[Tensor, Tensor]:
         x, y = batch
@@ -252,7 +262,7 @@ class LanguageModelTask(Task):
 
     def loss(self, model: nn.Module, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
         x, y = batch
-        logits = model(x)  # (B, T, vocab)
+        logits = _logits(model(x))  # (B, T, vocab)
         return F.cross_entropy(logits.flatten(0, 1), y.flatten()), logits
 
     @torch.no_grad()
@@ -266,7 +276,7 @@ class LanguageModelTask(Task):
         for batch in loader:
             x, y = self.to_device(batch)
             with precision.autocast():
-                logits = model(x)
+                logits = _logits(model(x))
             total += F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum").double()
             tokens += y.numel()
         model.train(was_training)
@@ -291,6 +301,11 @@ class LanguageModelTask(Task):
     def describe(self, value: float, best: float | None = None) -> str:
         text = f"val loss {value:.4f} (perplexity {_perplexity(value):.2f})"
         return text if best is None else f"{text}, best {best:.4f}"
+
+
+def _logits(out: Any) -> Tensor:
+    """The logits of a language model's output: the tensor itself, or a transformers output's ``logits``."""
+    return out if isinstance(out, Tensor) else out.logits
 
 
 def _perplexity(loss: float) -> float:

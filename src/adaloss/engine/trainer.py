@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import inspect
 import logging
 import math
 import os
@@ -283,7 +284,7 @@ def _build(cfg: DictConfig, run_dir: Path, config: dict[str, Any], ranks: DistIn
     # The scaler guards the gradients, so it needs the gradient format (fp8_e5m2 differs from the
     # weight/activation format); None for an fp32 run.
     scaler = build_scaler(cfg.scaler, precision.grad_format)
-    module = precision.prepare(scaler.attach(task.model))
+    module = precision.prepare(_attach(scaler, task))
     # trainer.compile: a compiled wrapper sharing module's parameters; DDP last, around it (it must see the
     # transformed module); ``module`` stays the unwrapped one: state dicts, evaluation, layer names. One
     # process, not compiled: model is module.
@@ -343,6 +344,16 @@ def _strategy(cfg: DictConfig, ranks: DistInfo) -> str:
                 "distributed.strategy=ddp"
             )
     return strategy
+
+
+def _attach(scaler: Any, task: Task) -> nn.Module:
+    """``scaler.attach(task.model)``, with the task's example inputs where the scaler takes them (the adaptive
+    scaler captures a model torch.fx cannot trace, a transformers model, with ``torch.export`` on them)."""
+    example = task.example_inputs()
+    params = inspect.signature(scaler.attach).parameters.values()
+    if example and any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+        return scaler.attach(task.model, *example)
+    return scaler.attach(task.model)
 
 
 def _build_data(cfg: DictConfig, ranks: DistInfo) -> tuple[Task, Any, DataLoader, DataLoader]:

@@ -240,7 +240,9 @@ def mark_low_precision(t: torch.Tensor) -> torch.Tensor:
 
 
 def _op_name(func: Any) -> str:
-    name = getattr(func, "__name__", "") or ""
+    # an ATen op (a graph captured with torch.export calls them directly) is named ``layer_norm.default``;
+    # its ``_opname`` is the name the tables use (``layer_norm``, ``add_``)
+    name = getattr(func, "_opname", None) or getattr(func, "__name__", "") or ""
     if name.startswith("__") and name.endswith("__"):
         name = name[2:-2]
         if name.startswith("i") and name[1:] in {"add", "sub", "mul", "truediv", "div", "pow", "matmul"}:

@@ -302,11 +302,19 @@ class AdaptiveLossScaler(LossScaler):
 
     # ------------------------------------------------------------------ model
 
-    def attach(self, model: nn.Module) -> nn.Module:
+    def attach(self, model: nn.Module, *example_inputs: Any, **example_kwargs: Any) -> nn.Module:
         """Return ``model`` rewritten for adaptive scaling; parameters and buffers are the same objects.
 
         Raises ``AdaptiveTransformError`` (a ``ConfigError``) naming the construct if the model cannot be
         rewritten. Call once per scaler. No host-device sync.
+
+        ``example_inputs`` / ``example_kwargs``: a forward call's arguments, for models torch.fx cannot
+        trace symbolically (Hugging Face transformers): they are captured with ``torch.export`` on these
+        (every tensor dimension dynamic where the model allows: other batch sizes and lengths need no new
+        capture), rewritten by the same passes, and ``model`` itself is returned, its class and methods
+        kept, with the rewritten graph as its ``forward`` for calls with the same arguments (see
+        :mod:`adaloss.adaptive.capture`). Ignored for models fx traces. Give batch and sequence sizes of 2
+        or more: export fixes dimensions of size 1.
 
         Warns (``UserWarning``, one per module) about each recurrent layer (``nn.LSTM``, ``nn.GRU``,
         ``nn.RNN`` and their cells), naming its GEMM weights: its GEMMs run inside one ATen op, so they get
@@ -321,7 +329,8 @@ class AdaptiveLossScaler(LossScaler):
             # A group of its own: these collectives are issued from inside the backward pass, interleaved
             # with DDP's bucket all-reduces; on a separate communicator their relative order cannot matter.
             state.reduce_fn = _StatisticsReducer(torch.distributed.new_group())
-        gm = attach_adaptive(model, state, self.product_betas)
+        example = (example_inputs, example_kwargs) if example_inputs or example_kwargs else None
+        gm = attach_adaptive(model, state, self.product_betas, example)
         self.state = state
         if self._pending is not None:  # a state_dict loaded before attach()
             self._restore(self._pending)
@@ -785,7 +794,13 @@ class _LossGradientHook:
         if isinstance(value, (list, tuple)):
             return type(value)(self._wrap(v) for v in value)
         if isinstance(value, dict):
-            return {k: self._wrap(v) for k, v in value.items()}
+            wrapped = {k: self._wrap(v) for k, v in value.items()}
+            if type(value) is dict:
+                return wrapped
+            try:  # a dict of its own class (a transformers ModelOutput, an OrderedDict) stays one
+                return type(value)(**wrapped)
+            except TypeError:
+                return wrapped
         return value
 
 

@@ -194,10 +194,11 @@ class LossScaler:
 
     # ------------------------------------------------------------------ the training-loop API
 
-    def attach(self, model: nn.Module) -> nn.Module:
+    def attach(self, model: nn.Module, *example_inputs: Any, **example_kwargs: Any) -> nn.Module:
         """Return the module to train. Scalers that act inside the backward pass return a transformed module.
 
-        The base scalers act on the loss and the gradients only, so they return ``model`` unchanged. No
+        The base scalers act on the loss and the gradients only, so they return ``model`` unchanged (the
+        example inputs, with which the adaptive scaler captures a model fx cannot trace, go unused). No
         host-device sync.
         """
         return model

@@ -1,0 +1,280 @@
+"""Hugging Face transformers models under the adaptive scaler: captured with torch.export (fx cannot trace
+them), rewritten by the same passes, exact in float64, every Conv1D/Linear a point, counted in ATen.
+
+The models are built from tiny configs (nothing downloaded). Each exactness case attaches on one batch and
+runs a second batch of another batch size and length through the same capture (a reuse step)."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from adaloss.adaptive import AdaptiveTransformError  # noqa: E402
+from adaloss.adaptive.capture import CaptureError  # noqa: E402
+from adaloss.adaptive.exactness import check_gradients  # noqa: E402
+from adaloss.scalers.adaptive import AdaptiveLossScaler  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+VOCAB = 100
+
+
+def gpt2(attn: str = "eager", dropout: float = 0.1) -> torch.nn.Module:
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32, attn_implementation=attn,
+        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(config)
+
+
+def llama(attn: str = "sdpa", dropout: float = 0.1) -> torch.nn.Module:
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
+        attention_dropout=dropout, attn_implementation=attn,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+def bert(attn: str = "eager", dropout: float = 0.1) -> torch.nn.Module:
+    config = transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=64, num_labels=3, attn_implementation=attn,
+        hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
+    )  # fmt: skip
+    return transformers.BertForSequenceClassification(config)
+
+
+MODELS = {"gpt2": gpt2, "llama": llama, "bert": bert}
+
+
+def batch(name: str, size: int, length: int, seed: int = 0) -> dict:
+    """Token ids, a padding mask (two rows padded at the end) and labels; use_cache=False for the decoders."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (size, length), generator=g)
+    mask = torch.ones(size, length, dtype=torch.long)
+    mask[1, length - 2 :] = 0
+    mask[-1, 3:] = 0
+    if name == "bert":
+        return {"input_ids": ids, "attention_mask": mask, "labels": torch.randint(0, 3, (size,), generator=g)}
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids, "use_cache": False}
+
+
+SLOW = pytest.mark.slow
+EXACT = [  # the paper's rule too, and the other attention implementation, in the slow tests
+    ("gpt2", "eager", ("reference",)),
+    ("llama", "sdpa", ("reference",)),
+    ("bert", "eager", ("reference",)),
+    pytest.param("gpt2", "sdpa", ("reference", "paper"), marks=SLOW, id="gpt2-sdpa-both_rules"),
+    pytest.param("llama", "eager", ("reference", "paper"), marks=SLOW, id="llama-eager-both_rules"),
+    pytest.param("bert", "sdpa", ("reference", "paper"), marks=SLOW, id="bert-sdpa-both_rules"),
+]
+
+
+@pytest.mark.parametrize(("name", "attn", "rules"), EXACT)
+def test_unscaled_gradients_equal_plain_backprop_in_float64(name, attn, rules):
+    """A recompute step on (3, 8) and a reuse step on (2, 11) after one attach, dropout in training mode,
+    padding masks, Llama's grouped-query attention and tied embeddings: every parameter gradient after
+    ``unscale_`` is plain backprop's to float64 rounding, with at least three distinct alphas."""
+    torch.manual_seed(0)
+    model = MODELS[name](attn)
+    assert model.training
+    batches = [batch(name, 3, 8), batch(name, 2, 11, seed=1)]
+    report = check_gradients(model, batches, lambda out: out.loss * 1e-6, rules=rules)
+    assert report.ok, report.format()
+    alphas = report.alphas[("reference", "recompute")]
+    assert len(set(alphas.values())) >= 3, alphas
+
+
+def _gemm_layers(model: torch.nn.Module) -> list[str]:
+    """The model's Linear and Conv1D modules (GPT-2's projections: addmm with an [in, out] weight)."""
+    kinds = (torch.nn.Linear, transformers.pytorch_utils.Conv1D)
+    return [path for path, m in model.named_modules() if isinstance(m, kinds)]
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_every_conv1d_and_linear_gets_a_point_counted_in_aten(name):
+    """One weight point per Linear/Conv1D module, named after it (the tied LM head included), and in a
+    forward pass of another shape every ATen GEMM with a parameter operand runs inside a point."""
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    layers = _gemm_layers(model)
+    scaler = AdaptiveLossScaler()
+    scaler.attach(model, **batch(name, 3, 8))
+    weight_points = [p.name for p in scaler.state.gemms if p.kind == "layer"]
+    assert sorted(weight_points) == sorted(layers)
+    coverage = scaler.coverage(**batch(name, 2, 5, seed=2))
+    assert len(coverage.calls) == len(layers), coverage
+    assert not coverage.outside, coverage
+    assert coverage.every_gemm_weight_has_a_point, coverage
+    weights = {p.name: p.weight for p in coverage.points if p.kind == "layer"}
+    assert all(weights[layer] is not None for layer in layers), weights  # read from the rewritten graph
+
+
+def test_dropout_follows_train_and_eval():
+    """Export fixes dropout's training flag; the captured model follows ``train()`` / ``eval()``: GPT-2's
+    dropout modules, and the attention dropout it passes to scaled_dot_product_attention (``dropout_p``)."""
+    torch.manual_seed(0)
+    model = gpt2("sdpa", dropout=0.5)
+    inputs = batch("gpt2", 3, 8)
+    plain_eval = model.eval()(**inputs).logits
+    model.train()
+    attached = AdaptiveLossScaler().attach(model, **inputs)
+    attached.eval()
+    torch.testing.assert_close(attached(**inputs).logits, plain_eval, rtol=0, atol=0)
+    attached.train()
+    assert not torch.equal(attached(**inputs).logits, attached(**inputs).logits)
+
+
+def test_emulated_fp16_forward_is_the_plain_models_bit_for_bit():
+    """The FP16 emulation classifies the captured graph's ATen ops as it does torch's functions
+    (``aten.layer_norm.default`` is ``layer_norm``: computed in FP32), so the forward passes agree exactly."""
+    from adaloss.precision import Precision
+
+    torch.manual_seed(0)
+    model = gpt2(dropout=0.0).eval()
+    inputs = batch("gpt2", 3, 8)
+    precision = Precision("fp16", "cpu")
+    with precision.autocast():
+        plain = model(**inputs).logits
+    attached = AdaptiveLossScaler().attach(copy.deepcopy(model), **inputs)
+    with precision.autocast():
+        torch.testing.assert_close(attached(**inputs).logits, plain, rtol=0, atol=0)
+
+
+def test_the_model_keeps_its_class_state_dict_generate_and_save():
+    torch.manual_seed(0)
+    model = gpt2()
+    keys = list(model.state_dict())
+    inputs = batch("gpt2", 3, 8)
+    scaler = AdaptiveLossScaler()
+    attached = scaler.attach(model, **inputs)
+    assert attached is model and type(attached) is transformers.GPT2LMHeadModel
+    assert list(attached.state_dict()) == keys
+    ids, rest = inputs["input_ids"], {k: v for k, v in inputs.items() if k != "input_ids"}
+    scaler.scale(attached(ids, **rest).loss).backward()  # the captured call, positional or by name
+    assert all(p.grad is not None for p in attached.parameters())
+    one = torch.randint(1, VOCAB, (1, 1))  # batch size and length 1, after a capture on (3, 8)
+    out = attached(input_ids=one, attention_mask=torch.ones_like(one), labels=one, use_cache=False)
+    assert out.logits.shape == (1, 1, VOCAB)
+    attached.eval()
+    with torch.no_grad():  # another call (generate's cache): the model's own forward, same values
+        out = attached.generate(
+            inputs["input_ids"][:1, :3], max_new_tokens=3, do_sample=False, pad_token_id=0
+        )
+    assert out.shape == (1, 6)
+    with tempfile.TemporaryDirectory() as folder:
+        attached.save_pretrained(folder)
+        loaded = transformers.GPT2LMHeadModel.from_pretrained(folder)
+    torch.testing.assert_close(loaded.lm_head.weight, model.lm_head.weight)
+    attached.train()
+    with pytest.raises(CaptureError, match=r"captured for a call with \(attention_mask, input_ids"):
+        attached(inputs["input_ids"])  # gradients recorded, not the captured call: refused by name
+
+
+def test_root_adaptive_keeps_the_output_class():
+    """``root="adaptive"`` probes the model's outputs; a transformers output stays a ModelOutput."""
+    torch.manual_seed(0)
+    scaler = AdaptiveLossScaler(root="adaptive")
+    inputs = batch("gpt2", 3, 8)
+    model = scaler.attach(gpt2(), **inputs)
+    out = model(**inputs)
+    assert type(out).__name__ == "CausalLMOutputWithCrossAttentions"
+    scaler.scale(out.loss).backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_untraceable_models_get_one_line_that_says_what_to_do():
+    with pytest.raises(AdaptiveTransformError, match=r"give attach\(\) example inputs"):
+        AdaptiveLossScaler().attach(gpt2())
+    ids = batch("gpt2", 2, 4)["input_ids"]
+    with pytest.raises(AdaptiveTransformError, match="pass use_cache=False"):
+        AdaptiveLossScaler().attach(gpt2(), input_ids=ids)
+
+
+@pytest.mark.slow  # a fresh interpreter importing torch: 10 s on the shared machine
+def test_import_adaloss_does_not_import_transformers():
+    code = "import sys, adaloss, adaloss.adaptive, adaloss.scalers.adaptive\n"
+    code += "assert 'transformers' not in sys.modules, 'import adaloss imported transformers'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ------------------------------------------------------------------------------------------- the runner
+
+HF_RUN = (
+    "dataset=pystdlib",
+    "scaler=adaptive",
+    "dataset.block_size=16",
+    "dataset.val_windows=16",
+    "trainer.batch_size=4",
+    "trainer.eval_batch_size=16",
+    "trainer.max_steps=3",
+    "trainer.eval_every=3",
+    "telemetry.every=3",
+)
+
+
+@pytest.mark.parametrize("model", ["hf_gpt2", pytest.param("hf_llama", marks=pytest.mark.slow)])
+def test_a_short_run_trains_with_telemetry_named_after_the_transformers_modules(make_full_cfg, model):
+    """``python train.py model=hf_gpt2 dataset=pystdlib scaler=adaptive``: the bundled config, the vocabulary
+    and context of the data, emulated FP16, the per-layer telemetry and scales under the modules' names."""
+    from adaloss.engine import train
+
+    metrics = train(make_full_cfg(f"model={model}", *HF_RUN))
+    assert metrics["steps"] == 3 and not metrics["diverged"] and metrics["val_loss"] < 6.0
+    layer = "transformer.h.0.attn.c_attn" if model == "hf_gpt2" else "model.layers.0.self_attn.q_proj"
+    assert layer in metrics["underflow_rate"] and layer in metrics["loss_scale"], metrics["loss_scale"]
+
+
+def test_the_runner_says_what_is_missing(monkeypatch):
+    from adaloss.errors import ConfigError
+    from adaloss.models import build_model
+
+    with pytest.raises(ConfigError, match="neither a bundled transformers config .*gpt2_tiny.json"):
+        build_model({"name": "hf_gpt2", "config": "gpt3.json"}, vocab_size=256, block_size=16)
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` raises ImportError
+    with pytest.raises(ConfigError, match=r"transformers is not installed: pip install 'adaloss\[hf\]'"):
+        build_model({"name": "hf_gpt2"}, vocab_size=256, block_size=16)
+
+
+# ----------------------------------------------------------------- checkpointing, encoder-decoder (slow)
+
+
+@pytest.mark.slow
+def test_gradient_checkpointing_is_exact_and_its_memory_cost_is_said():
+    torch.manual_seed(0)
+    model = gpt2()
+    model.gradient_checkpointing_enable()
+    batches = [batch("gpt2", 3, 8), batch("gpt2", 2, 11, seed=1)]
+    with pytest.warns(UserWarning, match="gradient checkpointing on.*memory is as without checkpointing"):
+        report = check_gradients(model, batches, lambda out: out.loss * 1e-6, rules=("reference",))
+    assert report.ok, report.format()
+
+
+@pytest.mark.slow
+def test_t5_encoder_decoder_is_exact():
+    """T5 shifts the labels right into the decoder's input in place (``new_zeros``, a slice, ``copy_``):
+    integer tensors, which carry no gradient, so the rewrite leaves such writes as they are."""
+    torch.manual_seed(0)
+    config = transformers.T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+        decoder_start_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    model = transformers.T5ForConditionalGeneration(config)
+    g = torch.Generator().manual_seed(0)
+
+    def seq2seq(size: int, length: int) -> dict:
+        ids = torch.randint(1, VOCAB, (size, length), generator=g)
+        labels = torch.randint(1, VOCAB, (size, length - 2), generator=g)
+        return {"input_ids": ids, "labels": labels, "use_cache": False}
+
+    report = check_gradients(model, [seq2seq(3, 8), seq2seq(2, 11)], lambda out: out.loss * 1e-6)
+    assert report.ok, report.format()
+    alphas = report.alphas[("reference", "recompute")]
+    assert len(alphas) == 39 and len(set(alphas.values())) >= 3, alphas
