@@ -179,12 +179,13 @@ def block_stats(
     amax_b: torch.Tensor, scale: torch.Tensor, scaled: torch.Tensor, wanted: torch.Tensor | None
 ) -> dict[str, torch.Tensor]:
     """Per-block telemetry (0-dim tensors, no host sync) from the blocks' amaxes, stored scales, scaled
-    elements (before E2M1 rounding) and (NVFP4) wanted FP32 decode scales: ``blocks`` (those with a
-    non-zero finite amax), ``clamped`` (among them: NVFP4, a decode scale cut at 448 or rounded to a zero
-    E4M3 scale; MXFP4, an exponent at E8M0's limits), ``subnormal`` (NVFP4: an E4M3 scale below 2^-6),
-    ``log2_min``/``log2_max`` (the range of the blocks' ``log2`` stored scales: their spread) and ``saturated`` (finite elements of
-    blocks with a non-zero scale whose scaled magnitude passed 6: NVFP4's E4M3 scale rounded down, MXFP4's
-    ``floor``)."""
+    elements (before E2M1 rounding) and (NVFP4) wanted FP32 decode scales.
+
+    ``blocks``: those with a non-zero finite amax; ``clamped``: among them, NVFP4 a decode scale cut at 448
+    or rounded to a zero E4M3 scale, MXFP4 an exponent at E8M0's limits; ``subnormal``: NVFP4 an E4M3 scale
+    below 2^-6; ``log2_min`` / ``log2_max``: the range of the blocks' ``log2`` stored scales (their spread);
+    ``saturated``: finite elements of blocks with a non-zero scale whose scaled magnitude passed 6 (NVFP4's
+    E4M3 scale rounded down, MXFP4's ``floor``)."""
     valid = (amax_b > 0) & torch.isfinite(amax_b)
     if wanted is not None:
         clamped = valid & ((wanted > E4M3_MAX) | (scale == 0))
