@@ -333,3 +333,29 @@ def test_nvfp4_precision_trains_fp4_layers_and_records_block_telemetry() -> None
     again = Precision("nvfp4", "cpu", stochastic_rounding=True, hadamard=True)
     again.load_state_dict(state)
     assert torch.equal(again.fp4.generator.get_state(), precision.fp4.generator.get_state())
+
+
+def test_nvfp4_under_the_adaptive_scaler_runs_its_gemms_in_fp4() -> None:
+    # the adaptive scaler replaces each linear layer by its own GEMM node (ScaledGEMM): FP4 runs there too
+    from adaloss.models.gpt import GPT
+    from adaloss.precision import Precision
+    from adaloss.scalers import build_scaler
+    from adaloss.telemetry import UnderflowMonitor
+
+    torch.manual_seed(0)
+    scaler = build_scaler({"name": "adaptive"}, None)
+    model = GPT(vocab_size=40, block_size=16, n_layer=4, n_head=2, n_embd=32)
+    precision = Precision("nvfp4", "cpu", stochastic_rounding=True)
+    model = precision.prepare(scaler.attach(model) or model)
+    idx = torch.randint(0, 40, (4, 16), generator=torch.Generator().manual_seed(1))
+    monitor = UnderflowMonitor(every=1, fmt="bf16")
+    with precision.autocast(monitor):
+        loss = torch.nn.functional.cross_entropy(model(idx).reshape(-1, 40).float(), idx.reshape(-1))
+    scaler.scale(loss).backward()
+    monitor.underflow_rates()
+    assert sorted(monitor.last_storage["fp4_grad_to_noise"]) == sorted(precision.fp4.layers)
+    assert (
+        monitor.last_storage["sqnr_db"]["h.1.mlp.c_fc"]
+        < 25.0
+        < monitor.last_storage["sqnr_db"]["h.0.mlp.c_fc"]
+    )

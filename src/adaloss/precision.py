@@ -214,8 +214,10 @@ class Precision:
         convolutions prefer; tensors of other ranks (Conv1d, Conv3d weights) keep theirs, as
         ``channels_last`` exists for 4-D tensors only.
         """
-        if self.fp4 is not None:
-            self.fp4.bind([n for n, m in model.named_modules() if isinstance(m, nn.Linear)])
+        if self.fp4 is not None:  # linear layers, also as the adaptive scaler's AdaptiveGEMM wraps them
+            linear = [n for n, m in model.named_modules()
+                      if isinstance(m, nn.Linear) or getattr(m, "layer_type", None) == "Linear"]  # fmt: skip
+            self.fp4.bind(linear)
         for name, module in model.named_modules():
             if isinstance(module, GEMM_MODULES):
                 self._hooks.append(module.register_forward_pre_hook(_push_name(name)))

@@ -136,9 +136,10 @@ class FP4Gemm:
                    for p in self.recipe.keep)  # fmt: skip
 
     def applies(self, name: str | None) -> bool:
-        """Whether layer ``name`` runs its GEMMs in FP4."""
+        """Whether layer ``name`` runs its GEMMs in FP4 (``name#k``, the k-th call of a layer, as ``name``)."""
         if name is None:
             return False
+        name = name.split("#", 1)[0]
         return name in self.layers if self.layers is not None else not self._matches_keep(name)
 
     def quantize(
