@@ -136,7 +136,7 @@ class FP4Gemm:
                    for p in self.recipe.keep)  # fmt: skip
 
     def applies(self, name: str | None) -> bool:
-        """Whether layer ``name`` runs its GEMMs in FP4 (``name#k``, the k-th call of a layer, as ``name``)."""
+        """Whether layer ``name`` runs its GEMMs in FP4 (``name#k``, a later call of a layer, as ``name``)."""
         if name is None:
             return False
         name = name.split("#", 1)[0]
