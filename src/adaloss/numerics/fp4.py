@@ -26,8 +26,10 @@ Zero, Inf and NaN, as the hardware recipes do them, with one deviation kept from
   scale gives the encode scale FP32's largest value (``1/0`` clamped as TE does), so the block stores zeros;
 - MXFP4: a block whose amax is Inf or NaN has the NaN scale (E8M0 code 0xFF), so its finite elements
   dequantize to NaN (the spec's rule);
-- deviation: the Inf or NaN element itself is kept as it is (E2M1 cannot hold it; hardware saturates Inf to
-  6), so that the loss scalers still see the overflow, as the FP8 quantizers keep Inf for E4M3.
+- deviation: the Inf or NaN element itself dequantizes to NaN (E2M1 cannot hold it; hardware saturates Inf
+  to 6), so that the loss scalers still see the overflow, as the FP8 quantizers keep Inf for E4M3 (NaN
+  rather than Inf: ``x * 0`` added to the result marks it with two fast passes, where ``torch.where`` costs
+  as much as the whole quantization on the CPU).
 
 A last dimension that is not a multiple of the block (or rows not a multiple of 16 for 16x16 tiles) is
 padded with zeros, which change no amax, and cropped after. Stochastic rounding draws one uniform number per
@@ -70,19 +72,25 @@ MX_ROUNDINGS = ("floor", "rceil")
 
 def round_e2m1(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """``x`` (float32) rounded to E2M1: nearest-even without ``generator``, else stochastically with it;
-    magnitudes past 6 saturate (Inf too), NaN stays NaN, the sign of zero is kept. The grid spacing is 0.5
-    below 2, 1 in [2, 4) and 2 in [4, 6], so ``|x| / spacing`` rounded to an integer (half to even: the
-    integer's parity is the mantissa bit's) times the spacing is the rounded magnitude, exactly."""
-    mag = x.abs().clamp(max=E2M1_MAX)
-    spacing = torch.where(mag < 2.0, 0.5, torch.where(mag < 4.0, 1.0, 2.0))
-    units = mag / spacing  # exact: a power of two
+    magnitudes past 6 saturate (Inf too), NaN stays NaN, the sign of zero is kept.
+
+    The grid spacing is 0.5 below 2, 1 in [2, 4) and 2 in [4, 6]: half the power of two at or below
+    ``clamp(|x|, 1, 4)``, read off its exponent bits (exact, and without ``where``, which is slow on the
+    CPU). ``|x| / spacing`` rounded to an integer (half to even: the integer's parity is the mantissa bit's)
+    times the spacing is the rounded magnitude, exactly.
+    """
+    mag = x.abs().clamp_(max=E2M1_MAX)
+    exponent = mag.clamp(1.0, 4.0).view(torch.int32) & 0x7F800000
+    spacing = (exponent - (1 << 23)).view(torch.float32)  # 2^(e - 1): 0.5, 1 or 2
+    inverse = (0x7F000000 - (exponent - (1 << 23))).view(torch.float32)  # 1 / spacing, exactly
+    units = mag.mul_(inverse)
     if generator is None:
-        units = torch.round(units)
+        units = units.round_()
     else:
         low = torch.floor(units)
         draw = torch.rand(units.shape, generator=generator, device=units.device, dtype=units.dtype)
-        units = low + (draw < units - low).to(units.dtype)
-    return torch.copysign(units * spacing, x)
+        units = low.add_(draw.lt_(units.sub_(low)))
+    return torch.copysign(units.mul_(spacing), x)
 
 
 def e2m1_codes(q: torch.Tensor) -> torch.Tensor:
@@ -135,7 +143,11 @@ def _blocked(x: torch.Tensor, block: int, tile: int) -> torch.Tensor:
     """``x`` (2-D) zero-padded to multiples of ``(tile, block)`` and viewed as ``(R/tile, tile, C/block,
     block)``."""
     rows, cols = x.shape
-    padded = torch.nn.functional.pad(x, (0, -cols % block, 0, -rows % tile))
+    padded = (
+        x
+        if cols % block == 0 and rows % tile == 0
+        else torch.nn.functional.pad(x, (0, -cols % block, 0, -rows % tile))
+    )
     return padded.reshape(padded.shape[0] // tile, tile, padded.shape[1] // block, block)
 
 
@@ -155,7 +167,7 @@ def quantize_fp4(
     blocks = _blocked(x.float(), FP4_RECIPES[recipe], tile)
     amax_b = blocks.abs().amax(dim=(1, 3), keepdim=True)
     if recipe == "nvfp4":
-        s_enc = nvfp4_global_scale(x.abs().amax() if x.numel() else x.new_zeros(()))
+        s_enc = nvfp4_global_scale(amax_b.amax() if x.numel() else x.new_zeros((), dtype=torch.float32))
         wanted, scale, s_dec, multiplier = nvfp4_block_scales(amax_b, s_enc)
         scaled = blocks * multiplier
         values = round_e2m1(scaled, generator)
@@ -167,7 +179,7 @@ def quantize_fp4(
         scaled = blocks * multiplier
         values = round_e2m1(scaled, generator)
         deq = values * scale
-    deq = torch.where(torch.isfinite(blocks), deq, blocks)
+    deq = deq.add_(blocks * 0.0)  # Inf and NaN elements become NaN (x * 0), the rest keep their signed value
     rows, cols = x.shape
     padded_rows = deq.shape[0] * tile
     out = deq.reshape(padded_rows, -1)[:rows, :cols]
