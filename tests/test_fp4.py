@@ -387,3 +387,31 @@ def test_torchao_emulation_agrees_on_mxfp4_and_differs_on_nvfp4_where_documented
     torch.testing.assert_close(
         theirs.dequantize(torch.float32)[same], ours.dequantized[same], rtol=2.5e-7, atol=0
     )
+
+
+def test_fp4_lab_cells_cross_formats_rounding_hadamard_and_scalers() -> None:
+    from adaloss.labs.fp8.fp4 import FP4_SMOKE_CELLS, fp4_cells
+
+    cells = fp4_cells()
+    names = [c.name for c in cells]
+    assert len(names) == len(set(names)) == 1 + 2 * 3 + 2 * 3 * 2 * 2
+    assert set(FP4_SMOKE_CELLS) <= set(names)
+    sr_rht = next(c for c in cells if c.name == "MXFP4/dynamic/sr/rht").overrides
+    assert {"precision=mxfp4", "scaler=dynamic", "precision.stochastic_rounding=true"} <= set(sr_rht)
+    assert {"precision.hadamard=true", "precision.keep_first=0", "precision.keep_last=0"} <= set(sr_rht)
+
+
+@pytest.mark.slow
+def test_fp4_lab_smoke_runs_and_tabulates(tmp_path) -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, str(root / "scripts" / "fp4_lab.py"), "--smoke", "--out", str(tmp_path),
+         "--runs-dir", str(tmp_path / "runs")],
+        capture_output=True, text=True, timeout=900, check=True,
+    ).stdout  # fmt: skip
+    table = (tmp_path / "fp4_lab.md").read_text()
+    assert "| NVFP4/adaptive/nearest/plain | 2 |" in table and table.strip() in out
