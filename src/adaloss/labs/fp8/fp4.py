@@ -65,10 +65,12 @@ def fp4_table(rows: list[dict], model: str, cells: list[Cell]) -> str:
             v for r in mine if r["cell"] == cell.name for v in (r.get("fp4_grad_to_noise") or {}).values()
         ]
         ratio = statistics.fmean(ratios) if ratios else math.nan
-        separated = "yes" if cell.name != "bf16" and math.isfinite(half) and abs(gap) > half else "no"
+        baseline = cell.name == "bf16"
+        separated = "yes" if not baseline and math.isfinite(half) and abs(gap) > half else "no"
+        interval = "n/a" if not math.isfinite(half) else f"±{half:.4f}"
         lines.append(
-            f"| {cell.name} | {len(values)} | {statistics.fmean(values):.4f} | {gap:+.4f} | "
-            f"{'n/a' if not math.isfinite(half) else f'±{half:.4f}'} | {separated} | "
-            f"{'' if math.isnan(ratio) else f'{ratio:.1f}'} |"
+            f"| {cell.name} | {len(values)} | {statistics.fmean(values):.4f} | "
+            f"{'(baseline)' if baseline else f'{gap:+.4f}'} | {'' if baseline else interval} | "
+            f"{'' if baseline else separated} | {'' if math.isnan(ratio) else f'{ratio:.1f}'} |"
         )
     return "\n".join(lines)
