@@ -415,3 +415,22 @@ def test_fp4_lab_smoke_runs_and_tabulates(tmp_path) -> None:
     ).stdout  # fmt: skip
     table = (tmp_path / "fp4_lab.md").read_text()
     assert "| NVFP4/adaptive/nearest/plain | 2 |" in table and table.strip() in out
+
+
+def test_train_records_fp4_block_telemetry_in_metrics_and_telemetry_log(make_full_cfg, tmp_path) -> None:
+    # the runner's command, shrunk: precision=nvfp4 with SR and Hadamard under the adaptive scaler
+    import json
+
+    from adaloss.engine import train
+
+    gpt = ("model=gpt", "dataset=pystdlib", "model.n_layer=3", "model.n_head=2", "model.n_embd=32")
+    gpt += ("dataset.block_size=32", "dataset.val_windows=16", "trainer.batch_size=4", "trainer.max_steps=2")
+    fp4 = ("precision=nvfp4", "precision.stochastic_rounding=true", "precision.hadamard=true")
+    metrics = train(make_full_cfg(*gpt, *fp4, "scaler=adaptive", "trainer.eval_every=2", "telemetry.every=1"))
+    assert not metrics["diverged"] and math.isfinite(metrics["val_loss"])
+    fp4_layers = {f"h.1.{p}" for p in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")}
+    for key in ("fp4_block_clamped_share", "fp4_block_subnormal_share", "fp4_block_scale_spread_log2"):
+        assert set(metrics[key]) == fp4_layers
+    assert all(v > math.sqrt(3) for v in metrics["fp4_grad_to_noise"].values())
+    lines = [json.loads(line) for line in (tmp_path / "telemetry.jsonl").read_text().splitlines()]
+    assert len(lines) == 2 and all(set(line["fp4_grad_to_noise"]) == fp4_layers for line in lines)
