@@ -434,3 +434,23 @@ def test_train_records_fp4_block_telemetry_in_metrics_and_telemetry_log(make_ful
     assert all(v > math.sqrt(3) for v in metrics["fp4_grad_to_noise"].values())
     lines = [json.loads(line) for line in (tmp_path / "telemetry.jsonl").read_text().splitlines()]
     assert len(lines) == 2 and all(set(line["fp4_grad_to_noise"]) == fp4_layers for line in lines)
+
+
+def test_a_resumed_nvfp4_run_continues_the_stochastic_rounding_stream(make_full_cfg, tmp_path) -> None:
+    # the checkpoint holds the SR generator's state: resumed at step 2, the run ends bitwise on the weights of
+    # the uninterrupted one (a fresh generator would draw other roundings from step 3 on)
+    from adaloss.engine import train
+    from adaloss.engine.checkpoint import load_checkpoint
+    from test_checkpoint import _assert_bitwise_equal, _weights
+
+    run = ("model=gpt", "dataset=pystdlib", "model.n_layer=3", "model.n_head=2", "model.n_embd=32")
+    run += ("dataset.block_size=32", "dataset.val_windows=16", "trainer.batch_size=4", "trainer.max_steps=4")
+    run += ("trainer.checkpoint_every=2", "trainer.eval_every=4", "trainer.save_final=true", "scaler=dynamic")
+    run += ("precision=nvfp4", "precision.stochastic_rounding=true", "precision.hadamard=true")
+    train(make_full_cfg(*run))
+    first = _weights(tmp_path / "model.pt")
+    assert "generator" in load_checkpoint(tmp_path / "checkpoints" / "step_2.pt")["grad_quantizer"]["fp4"]
+    (tmp_path / "model.pt").unlink()
+    (tmp_path / "metrics.json").unlink()
+    train(make_full_cfg(*run, f"resume={tmp_path / 'checkpoints' / 'step_2.pt'}"))
+    _assert_bitwise_equal(first, _weights(tmp_path / "model.pt"))
