@@ -156,6 +156,20 @@ NEW_KEYS: dict[str, Any] = {
     "model.block_size": None,
     "trainer.compile": False,  # torch.compile of the training step (issue 34), off by default
     "trainer.compile_mode": "default",
+    # the FP4 precisions' options (issue 37), null (the recipe's default) for every other precision
+    **{
+        f"precision.{key}": None
+        for key in (
+            "stochastic_rounding",
+            "hadamard",
+            "rounding",
+            "operands",
+            "keep",
+            "keep_first",
+            "keep_last",
+            "seed",
+        )
+    },  # fmt: skip
 }
 
 #: The task each bundled dataset selects (``override /task`` in configs/dataset/); the others classification.

@@ -64,7 +64,7 @@ def test_every_group_has_the_expected_options() -> None:
     assert _options("optimizer") == ["adamw", "custom", "sgd"]
     assert _options("schedule") == ["cosine", "custom", "multistep"]
     assert _options("scaler") == ["adaptive", "custom", "dynamic", "fixed", "none"]
-    assert _options("precision") == ["bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2"]
+    assert _options("precision") == ["bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2", "mxfp4", "nvfp4"]
     assert _options("logger") == ["custom", "none", "wandb"]
     # the paper's (and our CPU) recipes, one per dataset, and none
     assert _options("recipe") == sorted([*(o for o in _options("dataset") if o != "custom"), "none"])

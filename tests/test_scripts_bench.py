@@ -145,6 +145,7 @@ GPT_RATIOS = (
     "adaptive_recompute_over_dynamic",
     "adaptive_reuse_over_dynamic",
     "adaptive_noprod_reuse_over_dynamic",
+    "nvfp4_over_fp8_current",
 )
 
 
@@ -168,6 +169,8 @@ def test_bench_times_the_tiny_gpt(tmp_path: Path, capsys, one_thread, mode: str)
     assert goal["target"] == 1.02 and goal["pass"] == (goal["median"] <= 1.02)
     u1 = gpt["ratios"]["adaptive_u1_over_dynamic/gpt"]
     assert u1["target"] == 1.25 and u1["pass"] == (u1["median"] <= 1.25)
+    fp4 = gpt["ratios"]["nvfp4_over_fp8_current/gpt"]  # issue 37's goal
+    assert fp4["target"] == 1.5 and fp4["pass"] == (fp4["median"] <= 1.5)
     kinds = set().union(*({(c, k) for k in kinds} for c, kinds in gpt["step_times"][0].items()))
     for config in ("fp16_adaptive_u100", "fp16_adaptive_u100_noprod"):
         assert {(config, "recompute"), (config, "reuse")} <= kinds

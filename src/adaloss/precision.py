@@ -10,7 +10,16 @@ fp16        ``torch.autocast(<device>, float16)``, FP32     :class:`EmulatedAuto
 bf16        ``torch.autocast(<device>, bfloat16)``          emulation rounding to BF16
 fp8_e5m2    (none: no FP8 autocast exists)                  FP16 weights/activations, FP8 e5m2 gradients
 fp8_e4m3    (none: no FP8 autocast exists)                  FP16 weights/activations, FP8 e4m3 gradients
+nvfp4       (none: no FP4 autocast exists)                  BF16 emulation; linear layers' three GEMMs with
+                                                            NVFP4 operands (:mod:`adaloss.numerics.fp4_gemm`)
+mxfp4       (none)                                          the same with MXFP4 operands
 =========== ============================================== =================================================
+
+The FP4 precisions' options (``precision.<option>``, :class:`adaloss.numerics.fp4_gemm.FP4Recipe`):
+``stochastic_rounding`` (gradient operands), ``hadamard`` (the 16x16 random Hadamard transform on the wgrad
+operands), ``rounding`` (MXFP4's E8M0 rule, ``floor`` or ``rceil``), ``operands`` (``all`` or ``grad``),
+``keep`` / ``keep_first`` / ``keep_last`` (the linear layers kept in BF16) and ``seed``; any of them set for
+another precision is an error.
 
 ``precision.grad_scaling`` (FP8 precisions only; default ``none``): how each stored gradient is scaled into
 the FP8 range before it is rounded (:mod:`adaloss.numerics.quantizers`): ``none`` (the loss scale only),
@@ -40,11 +49,14 @@ from torch import nn
 from adaloss.errors import ConfigError
 from adaloss.numerics.emulation import LAYER_NAMES, EmulatedAutocast
 from adaloss.numerics.formats import FORMATS, FloatFormat, get_format
+from adaloss.numerics.fp4_gemm import FP4Gemm, fp4_recipe_from_config
 from adaloss.numerics.quantizers import GlobalScaling, GradQuantizer, recipe_from_config
 
 __all__ = ["Precision", "PRECISION_NAMES", "GEMM_MODULES"]
 
-PRECISION_NAMES = ("fp32", "fp16", "bf16", "fp8_e5m2", "fp8_e4m3")
+PRECISION_NAMES = ("fp32", "fp16", "bf16", "fp8_e5m2", "fp8_e4m3", "nvfp4", "mxfp4")
+#: The FP4 precisions: BF16 emulation with FP4 GEMM operands in the linear layers (their base format is BF16).
+FP4_PRECISIONS = ("nvfp4", "mxfp4")
 #: The precisions whose gradients are FP8 (FP16 weights and activations): the ones with gradient quantizers.
 FP8_PRECISIONS = ("fp8_e5m2", "fp8_e4m3")
 #: The values of ``precision.backend``.
@@ -74,6 +86,7 @@ class Precision:
             (FP32 compute rounded to the format), or ``auto`` (autocast on CUDA, emulation on the CPU).
         allow_tf32 (bool, optional, default=False): let CUDA run FP32 matmuls and convolutions in TF32.
         grad_scaling (str or mapping, optional, default="none"): the gradient quantizer's recipe (FP8 only).
+        **fp4_options: the FP4 precisions' options (module docstring), ``None`` for a recipe default.
     """
 
     def __init__(
@@ -84,6 +97,7 @@ class Precision:
         backend: str = "auto",
         allow_tf32: bool = False,
         grad_scaling: Any = "none",
+        **fp4_options: Any,
     ) -> None:
         name = str(name)
         if name not in PRECISION_NAMES:
@@ -105,6 +119,8 @@ class Precision:
         elif name in FP8_PRECISIONS:
             self.format = get_format("fp16")
             self.grad_format = get_format(name)
+        elif name in FP4_PRECISIONS:
+            self.format = self.grad_format = get_format("bf16")
         else:
             self.format = self.grad_format = get_format(name)
         self.telemetry_format = self.grad_format or get_format(telemetry_format)
@@ -114,9 +130,9 @@ class Precision:
                 f"unknown precision.backend '{backend}': choose one of {', '.join(BACKENDS)} "
                 "(e.g. precision.backend=autocast for real half tensors)"
             )
-        if backend == "autocast" and name in FP8_PRECISIONS:
+        if backend == "autocast" and name in FP8_PRECISIONS + FP4_PRECISIONS:
             raise ConfigError(
-                f"precision={name} has no autocast (PyTorch has no FP8 autocast): use "
+                f"precision={name} has no autocast (PyTorch has no FP8 or FP4 autocast): use "
                 "precision.backend=emulate or auto"
             )
         if backend == "autocast" and name == "fp32":
@@ -143,6 +159,8 @@ class Precision:
         self.grad_quantizer = (
             GradQuantizer(recipe, self.grad_format) if self.grad_format is not None else None
         )
+        #: The FP4 GEMM operands' state (``precision=nvfp4`` / ``mxfp4``; None otherwise).
+        self.fp4 = _fp4_gemm(name, fp4_options, self.device)
 
     @classmethod
     def from_config(cls, cfg: Any, device: str | torch.device, telemetry_format: str = "fp16") -> Precision:
@@ -159,10 +177,17 @@ class Precision:
     def state_dict(self) -> dict[str, Any]:
         """The gradient quantizer's state (delayed scaling's amax histories and scales; tensors), for the
         checkpoint; empty for FP32."""
-        return self.grad_quantizer.state_dict() if self.grad_quantizer is not None else {}
+        state = self.grad_quantizer.state_dict() if self.grad_quantizer is not None else {}
+        if self.fp4 is not None:  # the stochastic-rounding generator: a resumed run continues its stream
+            state["fp4"] = self.fp4.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (an empty state, e.g. an older checkpoint, restores nothing)."""
+        state = dict(state)
+        fp4 = state.pop("fp4", None)
+        if fp4 is not None and self.fp4 is not None:
+            self.fp4.load_state_dict(fp4)
         if state and self.grad_quantizer is not None:
             self.grad_quantizer.load_state_dict(state)
 
@@ -189,6 +214,10 @@ class Precision:
         convolutions prefer; tensors of other ranks (Conv1d, Conv3d weights) keep theirs, as
         ``channels_last`` exists for 4-D tensors only.
         """
+        if self.fp4 is not None:  # linear layers, also as the adaptive scaler's AdaptiveGEMM wraps them
+            linear = [n for n, m in model.named_modules()
+                      if isinstance(m, nn.Linear) or getattr(m, "layer_type", None) == "Linear"]  # fmt: skip
+            self.fp4.bind(linear)
         for name, module in model.named_modules():
             if isinstance(module, GEMM_MODULES):
                 self._hooks.append(module.register_forward_pre_hook(_push_name(name)))
@@ -206,19 +235,37 @@ class Precision:
         """
         if monitor is not None:
             return EmulatedAutocast(
-                self.format, monitor=monitor, grad_fmt=self.grad_format, grad_quantizer=self.grad_quantizer
+                self.format,
+                monitor=monitor,
+                grad_fmt=self.grad_format,
+                grad_quantizer=self.grad_quantizer,
+                fp4=self.fp4,
             )
         if self.uses_autocast:
             return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
         if self.emulated:
             return EmulatedAutocast(
-                self.format, grad_fmt=self.grad_format, grad_quantizer=self.grad_quantizer
+                self.format, grad_fmt=self.grad_format, grad_quantizer=self.grad_quantizer, fp4=self.fp4
             )
         return contextlib.nullcontext()
 
     def __repr__(self) -> str:
         mode = "autocast" if self.uses_autocast else ("emulated" if self.emulated else "native")
         return f"Precision({self.name}, {self.device}, {mode})"
+
+
+def _fp4_gemm(name: str, options: dict[str, Any], device: torch.device) -> FP4Gemm | None:
+    """The FP4 state of ``precision=name`` from its options (those left None take the recipe's default);
+    an option set for a precision that is not FP4 is a ConfigError."""
+    options = {k: _plain(v) for k, v in options.items() if v is not None}
+    if name not in FP4_PRECISIONS:
+        if options:
+            raise ConfigError(
+                f"precision.{sorted(options)[0]} is an FP4 option: use it with precision=nvfp4 or "
+                f"precision=mxfp4 (precision={name} has none)"
+            )
+        return None
+    return FP4Gemm(fp4_recipe_from_config(name, options), device)
 
 
 def _plain(value: Any) -> Any:

@@ -423,9 +423,18 @@ class PrecisionConf:
     backend: str = "auto"
     allow_tf32: bool = False
     grad_scaling: Any = "none"
+    # precision=nvfp4 / mxfp4 only (adaloss.numerics.fp4_gemm.FP4Recipe; None: the recipe's default)
+    stochastic_rounding: Any = None
+    hadamard: Any = None
+    rounding: Any = None
+    operands: Any = None
+    keep: Any = None
+    keep_first: Any = None
+    keep_last: Any = None
+    seed: Any = None
 
     def __post_init__(self) -> None:
-        choice(self, "name", ("fp32", "fp16", "bf16", "fp8_e5m2", "fp8_e4m3"))
+        choice(self, "name", ("fp32", "fp16", "bf16", "fp8_e5m2", "fp8_e4m3", "nvfp4", "mxfp4"))
         choice(self, "backend", ("auto", "autocast", "emulate"))
 
 
@@ -1076,7 +1085,7 @@ def _schema_names(group: str) -> dict[str, type]:
 
 #: Groups with one schema for every option, and their options' names (an argument: the format).
 _SINGLE = {"precision": PrecisionConf}
-_SINGLE_NAMES = {"precision": ("fp32", "fp16", "bf16", "fp8_e5m2", "fp8_e4m3")}
+_SINGLE_NAMES = {"precision": ("fp32", "fp16", "bf16", "fp8_e5m2", "fp8_e4m3", "nvfp4", "mxfp4")}
 #: Names that share a schema with another (CIFAR-100 is built as CIFAR-10 is).
 _ALIASES = {"dataset": {"cifar10": "cifar", "cifar100": "cifar"}}
 

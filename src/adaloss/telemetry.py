@@ -31,6 +31,17 @@ scaling is left out: its scale depends on the run's history, not on the batch. T
 that reached each layer in this run (upstream layers stored theirs under the run's own recipe). Cost on
 telemetry steps: five more quantizations per probed gradient.
 
+**FP4 layers** (``precision=nvfp4`` / ``mxfp4``, :mod:`adaloss.numerics.fp4_gemm`): a layer whose GEMMs take
+FP4 operands is probed at its dgrad operand, the output gradient as stored in FP4 (underflow, saturation,
+``sqnr_db``; ``grad_scale_min``/``max`` are the range of its blocks' stored scales, E4M3 or ``2^e``), and
+:data:`FP4_KEYS` are recorded per layer besides: ``fp4_block_clamped_share`` and
+``fp4_block_subnormal_share`` (the share of the dgrad operand's non-zero blocks whose scale was clamped:
+NVFP4 a decode scale past 448 or an E4M3 scale of 0, MXFP4 an E8M0 exponent at its limit; or subnormal:
+an E4M3 scale below 2^-6), ``fp4_block_scale_spread_log2`` (``log2`` of the largest over the smallest block
+scale) and ``fp4_grad_to_noise``, the layer's weight-gradient norm over the norm of the error FP4 put on it
+(the unquantized wgrad GEMM, computed on telemetry steps only): training stalls where it falls below about
+sqrt(3) ("FP4 All the Way", 2025).
+
 Telemetry is sampled on the first iteration, every ``every`` iterations and on the last iteration, so its
 cost (one extra comparison pass per probed gradient and one host sync per telemetry step) is negligible in
 long runs while short runs still report it, and the final numbers describe the end of training (a 200-step
@@ -52,10 +63,18 @@ from adaloss.numerics.quantizers import (
     QuantStats,
 )
 
-__all__ = ["UnderflowMonitor", "STORAGE_KEYS", "COUNTERFACTUAL_RECIPES"]
+__all__ = ["UnderflowMonitor", "STORAGE_KEYS", "FP4_KEYS", "COUNTERFACTUAL_RECIPES"]
 
 #: The per-layer gradient-storage quantities of a telemetry step (module docstring), in record order.
 STORAGE_KEYS = ("saturation_rate", "grad_scale_min", "grad_scale_max", "sqnr_db")
+#: The per-layer FP4 block quantities (module docstring), for the FP4 layers of an FP4 run only.
+FP4_KEYS = (
+    "fp4_block_clamped_share",
+    "fp4_block_subnormal_share",
+    "fp4_block_scale_spread_log2",
+    "fp4_grad_to_noise",
+)
+_FP4_ROW = ("blocks", "clamped", "subnormal", "log2_min", "log2_max", "wgrad_signal", "wgrad_noise")
 #: The recipes the counterfactual mode applies to each probed gradient (module docstring).
 COUNTERFACTUAL_RECIPES = {
     "none": GlobalScaling(),
@@ -176,7 +195,12 @@ class UnderflowMonitor:
         storage = [_storage_row(self._probes[n]) for n in names]  # each: 6 float64 scalars
         labels = list(COUNTERFACTUAL_RECIPES) if self._probe_type is _CounterfactualProbe else []
         storage += [_storage_row(self._probes[n].alternatives[lb][1]) for lb in labels for n in names]
-        flat = torch.cat([torch.stack(values).double(), *storage]).cpu().tolist()
+        fp4_names = [n for n in names if self._probes[n].fp4 is not None]
+        nan = torch.tensor(math.nan, dtype=torch.float64, device=values[0].device)
+        fp4_rows = [torch.stack([self._probes[n].fp4.get(k, nan) for k in _FP4_ROW]) for n in fp4_names]
+        flat = torch.cat([torch.stack(values).double(), *storage, *fp4_rows]).cpu().tolist()
+        fp4_flat = flat[len(flat) - len(_FP4_ROW) * len(fp4_names) :]
+        flat = flat[: len(flat) - len(fp4_flat)]
         counts, kths = flat[: len(names)], flat[len(names) : len(names) + len(kth_names)]
         rows = flat[len(names) + len(kth_names) :]
         numel = {n: self._probes[n].numel for n in names}
@@ -189,6 +213,8 @@ class UnderflowMonitor:
                 label: _storage_values(names, rows[width * (i + 1) : width * (i + 2)], numel, with_rate=True)
                 for i, label in enumerate(labels)
             }
+        if fp4_names:
+            self.last_storage.update(_fp4_values(fp4_names, fp4_flat))
         self._probes.clear()
         self.last_rates = rates
         return rates
@@ -225,6 +251,28 @@ def _storage_values(
         out["grad_scale_max"][name] = high
         out["sqnr_db"][name] = sqnr_db(signal, noise)
     return out
+
+
+def _fp4_values(names: list[str], flat: list[float]) -> dict[str, dict[str, float]]:
+    """:data:`FP4_KEYS` per FP4 layer from the probes' FP4 rows (``flat``: ``len(_FP4_ROW)`` per layer)."""
+    out: dict[str, dict[str, float]] = {key: {} for key in FP4_KEYS}
+    width = len(_FP4_ROW)
+    for i, name in enumerate(names):
+        row = dict(zip(_FP4_ROW, flat[width * i : width * (i + 1)], strict=True))
+        blocks = row["blocks"]
+        out["fp4_block_clamped_share"][name] = row["clamped"] / blocks if blocks > 0 else math.nan
+        out["fp4_block_subnormal_share"][name] = row["subnormal"] / blocks if blocks > 0 else math.nan
+        spread = row["log2_max"] - row["log2_min"]
+        out["fp4_block_scale_spread_log2"][name] = spread if math.isfinite(spread) else math.nan
+        out["fp4_grad_to_noise"][name] = _ratio_of_norms(row["wgrad_signal"], row["wgrad_noise"])
+    return out
+
+
+def _ratio_of_norms(signal: float, noise: float) -> float:
+    """``sqrt(signal / noise)``: Inf for no noise, NaN when either is NaN or both are 0."""
+    if math.isnan(signal) or math.isnan(noise) or (signal == 0 and noise == 0):
+        return math.nan
+    return math.inf if noise == 0 else math.sqrt(signal / noise)
 
 
 def sqnr_db(signal: float, noise: float) -> float:

@@ -240,7 +240,12 @@ class ScaledGEMM(torch.autograd.Function):
         if emu is not None and emu.grad_quantizer is not None and record:
             sites = (emu.grad_site(weight), emu.grad_site(bias) if bias is not None else None)
         ctx.sites = sites
-        if spec["kind"] == "linear":
+        ctx.fp4 = emu.fp4 if emu is not None and spec["kind"] == "linear" else None
+        ctx.fp4 = ctx.fp4 if ctx.fp4 is not None and ctx.fp4.applies(point.name) else None
+        if ctx.fp4 is not None:
+            ctx.fp4_probe = emu.probe_for(point.name)
+            y = ctx.fp4.forward(x, weight, bias)
+        elif spec["kind"] == "linear":
             y = F.linear(x, weight, bias)
         elif spec["kind"] == "conv":
             y = _conv_forward(x, weight, bias, spec)
@@ -299,7 +304,16 @@ class ScaledGEMM(torch.autograd.Function):
             # power of two: rounding it again without the scale would flush what the scale kept.
             if grad_fmt is not None and ctx.sites[0] is None:
                 scaled = round_to_format(scaled, grad_fmt)
-        if spec["kind"] == "linear":
+        if ctx.fp4 is not None:  # FP4 operands (adaloss.numerics.fp4_gemm); the weight gradient in FP32
+            d2 = delta.reshape(-1, delta.shape[-1])
+            if need_x:
+                grad_x = ctx.fp4.dgrad(scaled.reshape(d2.shape), w, ctx.fp4_probe).reshape(
+                    *delta.shape[:-1], -1
+                )
+            if need_w:
+                grad_w = ctx.fp4.wgrad(d2, x.reshape(-1, x.shape[-1]), ctx.fp4_probe)
+                grad_b = d2.sum(0) if ctx.has_bias else None
+        elif spec["kind"] == "linear":
             if need_x:
                 grad_x = scaled.matmul(w)
             if need_w:
@@ -415,7 +429,8 @@ class GradRound(torch.autograd.Function):
         emu = active_emulation()
         if emu is None or emu.grad_fmt is None or not torch.is_grad_enabled():
             return y
-        return GradRound.apply(y, emu.grad_fmt, emu.probe_for(point.name), emu.grad_site(y))
+        fp4 = emu.fp4 is not None and emu.fp4.applies(point.name)  # ScaledGEMM probes the FP4 operand
+        return GradRound.apply(y, emu.grad_fmt, None if fp4 else emu.probe_for(point.name), emu.grad_site(y))
 
 
 def _alias(y: torch.Tensor) -> torch.Tensor:

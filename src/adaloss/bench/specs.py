@@ -32,6 +32,7 @@ class Spec:
     scaler: dict[str, Any]
     extra: str | None = None  # "telemetry" | "recompute" | None
     grad_scaling: str = "none"  # precision.grad_scaling (FP8 precisions): the gradient quantizer's recipe
+    fp4: tuple[tuple[str, Any], ...] = ()  # the FP4 precisions' options (precision.<option>), as pairs
 
 
 SPECS: tuple[Spec, ...] = (
@@ -175,6 +176,15 @@ GPT_SPECS: tuple[Spec, ...] = (
         {"name": "adaptive", "update_every": 100, "product_betas": False},
         extra="recompute",
     ),
+    # issue 37: the emulated NVFP4 step (the full recipe: stochastic rounding and the Hadamard transform)
+    # against the emulated FP8 tensor_current step, both under dynamic scaling
+    Spec("fp8_current_dynamic", "fp8_e4m3", {"name": "dynamic"}, grad_scaling="tensor_current"),
+    Spec(
+        "nvfp4_dynamic",
+        "nvfp4",
+        {"name": "dynamic"},
+        fp4=(("stochastic_rounding", True), ("hadamard", True)),
+    ),
 )
 _BY_KEY = {r.key: r for r in RATIOS}
 GPT_RATIOS: tuple[RatioDef, ...] = (
@@ -210,6 +220,12 @@ GPT_RATIOS: tuple[RatioDef, ...] = (
         "adaptive reuse step without attention's betas / dynamic step",
         None,
         lambda t: t("fp16_adaptive_u100_noprod", "reuse") / t("fp16_dynamic", "plain"),
+    ),
+    RatioDef(
+        "nvfp4_over_fp8_current",
+        "emulated NVFP4 (SR + Hadamard) / emulated FP8 E4M3 tensor_current (dynamic)",
+        1.5,
+        lambda t: t("nvfp4_dynamic", "plain") / t("fp8_current_dynamic", "plain"),
     ),
 )
 

@@ -61,7 +61,7 @@ class Runner:
 
         self.spec = spec
         self.replica = replica
-        self.precision = Precision(spec.precision, "cpu", grad_scaling=spec.grad_scaling)
+        self.precision = Precision(spec.precision, "cpu", grad_scaling=spec.grad_scaling, **dict(spec.fp4))
         self.scaler = build_scaler(OmegaConf.create(spec.scaler), self.precision.grad_format)
         model = copy.deepcopy(base_model)
         self.model = self.precision.prepare(self.scaler.attach(model))

@@ -269,7 +269,7 @@ class Probe:
 
     __slots__ = (
         "fmt", "underflow", "numel", "nonzero", "quantile", "kth", "saturated", "scale_min", "scale_max",
-        "signal", "noise",
+        "signal", "noise", "fp4",
     )  # fmt: skip
 
     def __init__(self, fmt: FloatFormat, quantile: float | None = None) -> None:
@@ -284,6 +284,9 @@ class Probe:
         self.scale_max: torch.Tensor | None = None
         self.signal: torch.Tensor | None = None
         self.noise: torch.Tensor | None = None
+        #: FP4 layers only (:mod:`adaloss.numerics.fp4_gemm`): accumulated block counts, the range of the
+        #: blocks' log2 scales and the weight gradient's signal and FP4 noise (0-dim tensors); else None.
+        self.fp4: dict[str, torch.Tensor] | None = None
 
     def record(
         self, grad: torch.Tensor, rounded: torch.Tensor | None = None, stats: QuantStats | None = None
@@ -324,6 +327,25 @@ class Probe:
         for name, value, merge in pairs:
             old = getattr(self, name)
             setattr(self, name, value if old is None else merge(old, value))
+
+    def record_blocks(self, stats: dict[str, torch.Tensor]) -> None:
+        """Accumulate an FP4 quantization's block statistics (:func:`adaloss.numerics.fp4.block_stats`)."""
+        merge = {"log2_min": torch.minimum, "log2_max": torch.maximum}
+        keys = ("blocks", "clamped", "subnormal", "log2_min", "log2_max")
+        self._merge_fp4({k: stats[k].double() for k in keys}, merge)
+
+    def record_wgrad(self, reference: torch.Tensor, quantized: torch.Tensor) -> None:
+        """Accumulate a weight gradient's ``sum g^2`` and FP4 noise ``sum (q - g)^2`` (float64)."""
+        ref = reference.detach().double()
+        noise = (quantized.detach().double() - ref).square().sum()
+        self._merge_fp4({"wgrad_signal": ref.square().sum(), "wgrad_noise": noise}, {})
+
+    def _merge_fp4(self, values: dict[str, torch.Tensor], merge: dict) -> None:
+        if self.fp4 is None:
+            self.fp4 = {}
+        for key, value in values.items():
+            old = self.fp4.get(key)
+            self.fp4[key] = value if old is None else merge.get(key, torch.add)(old, value)
 
 
 class _Round(torch.autograd.Function):
@@ -440,6 +462,9 @@ class EmulatedAutocast(TorchFunctionMode):
             with FP16 activations).
         grad_quantizer (GradQuantizer, optional): scales every gradient the emulation stores in ``grad_fmt``
             (``precision.grad_scaling``); None or the ``none`` recipe rounds them as they are.
+        fp4 (FP4Gemm, optional): runs the linear layers it applies to with FP4 operands in all three GEMMs
+            (:class:`adaloss.numerics.fp4_gemm.FP4Linear`; ``precision=nvfp4`` or ``mxfp4``); their probes
+            count the FP4-stored output gradient instead of its rounding to ``grad_fmt``.
     """
 
     def __init__(
@@ -448,8 +473,10 @@ class EmulatedAutocast(TorchFunctionMode):
         monitor: Any = None,
         grad_fmt: FloatFormat | None = None,
         grad_quantizer: GradQuantizer | None = None,
+        fp4: Any = None,
     ) -> None:
         super().__init__()
+        self.fp4 = fp4
         self.fmt = fmt
         self.grad_fmt = grad_fmt if grad_fmt is not None else fmt
         self.monitor = monitor
@@ -524,6 +551,8 @@ class EmulatedAutocast(TorchFunctionMode):
             if fmt is not None:
                 args = tuple(self._cast_input(a) for a in args)
                 kwargs = {k: self._cast_input(v) for k, v in kwargs.items()}
+            if self.fp4 is not None and _op_name(func) == "linear" and self.fp4.applies(LAYER_NAMES.current):
+                return self._fp4_linear(args, kwargs, probe)
             out = func(*args, **kwargs)
             if isinstance(out, torch.Tensor) and out.is_floating_point():
                 if fmt is None and probe is None:
@@ -576,6 +605,16 @@ class EmulatedAutocast(TorchFunctionMode):
                 for o in out
             )
         return out
+
+    def _fp4_linear(self, args: tuple, kwargs: dict, probe: Probe | None) -> torch.Tensor:
+        """``F.linear(*args, **kwargs)`` through :class:`~adaloss.numerics.fp4_gemm.FP4Linear`, its output
+        stored in the base format (its gradient too, before FP4Linear quantizes it; the probe is FP4's)."""
+        from adaloss.numerics.fp4_gemm import FP4Linear
+
+        names = ("input", "weight", "bias")
+        x, w, b = (*args, *(kwargs.get(n) for n in names[len(args) :]))
+        out = FP4Linear.apply(x, w, b, self.fp4, probe)
+        return round_value(out, self.fmt, None, self.grad_fmt, block_dim=-1)
 
     def _cast_input(self, a: Any) -> Any:
         if isinstance(a, torch.Tensor):

@@ -49,6 +49,7 @@ def run_one(model: str, cell: Cell, seed: int, smoke: bool, runs_dir: Path) -> d
         "underflow_rate": metrics.get("underflow_rate", {}),
         "saturation_rate": metrics.get("saturation_rate", {}),
         "sqnr_db": metrics.get("sqnr_db", {}),
+        **({"fp4_grad_to_noise": metrics["fp4_grad_to_noise"]} if "fp4_grad_to_noise" in metrics else {}),
         "wall_time_s": round(time.perf_counter() - began, 2),
     }
 
