@@ -418,15 +418,20 @@ def test_fp4_lab_smoke_runs_and_tabulates(tmp_path) -> None:
 
 
 def test_train_records_fp4_block_telemetry_in_metrics_and_telemetry_log(make_full_cfg, tmp_path) -> None:
-    # the runner's command, shrunk: precision=nvfp4 with SR and Hadamard under the adaptive scaler
+    # the runner's command, shrunk: precision=nvfp4 with SR and Hadamard under the adaptive scaler; W&B
+    # (offline) gets the same per-layer values in its table, and their extremes as scalars
     import json
 
     from adaloss.engine import train
+    from adaloss.logging.wandb_logger import FP4_COLUMNS
+    from adaloss.telemetry import FP4_KEYS
+    from wandb_files import offline_runs
 
     gpt = ("model=gpt", "dataset=pystdlib", "model.n_layer=3", "model.n_head=2", "model.n_embd=32")
     gpt += ("dataset.block_size=32", "dataset.val_windows=16", "trainer.batch_size=4", "trainer.max_steps=2")
     fp4 = ("precision=nvfp4", "precision.stochastic_rounding=true", "precision.hadamard=true")
-    metrics = train(make_full_cfg(*gpt, *fp4, "scaler=adaptive", "trainer.eval_every=2", "telemetry.every=1"))
+    run = (*gpt, *fp4, "scaler=adaptive", "trainer.eval_every=2", "telemetry.every=1", "logger=wandb")
+    metrics = train(make_full_cfg(*run))
     assert not metrics["diverged"] and math.isfinite(metrics["val_loss"])
     fp4_layers = {f"h.1.{p}" for p in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")}
     for key in ("fp4_block_clamped_share", "fp4_block_subnormal_share", "fp4_block_scale_spread_log2"):
@@ -434,6 +439,16 @@ def test_train_records_fp4_block_telemetry_in_metrics_and_telemetry_log(make_ful
     assert all(v > math.sqrt(3) for v in metrics["fp4_grad_to_noise"].values())
     lines = [json.loads(line) for line in (tmp_path / "telemetry.jsonl").read_text().splitlines()]
     assert len(lines) == 2 and all(set(line["fp4_grad_to_noise"]) == fp4_layers for line in lines)
+    assert FP4_COLUMNS == FP4_KEYS
+    (wandb_run,) = offline_runs(tmp_path)
+    logged = wandb_run.history[lines[-1]["step"]]
+    rows = {r["layer"]: r for r in wandb_run.table(logged["underflow/table"])}
+    for key in FP4_KEYS:
+        assert {layer: rows[layer][key] for layer in fp4_layers} == pytest.approx(lines[-1][key])
+    assert logged["fp4/grad_to_noise_min"] == pytest.approx(min(lines[-1]["fp4_grad_to_noise"].values()))
+    assert logged["fp4/block_subnormal_share_max"] == pytest.approx(
+        max(lines[-1]["fp4_block_subnormal_share"].values())
+    )
 
 
 def test_a_resumed_nvfp4_run_continues_the_stochastic_rounding_stream(make_full_cfg, tmp_path) -> None:

@@ -60,6 +60,9 @@ SUMMARIES: dict[str, str] = {
     "saturation/max": "min,max,last",
     "sqnr_db/min": "min,max,last",
     "sqnr_db/mean": "min,max,last",
+    "fp4/grad_to_noise_min": "min,last",  # training stalls below about sqrt(3) ("FP4 All the Way")
+    "fp4/block_clamped_share_max": "max,last",
+    "fp4/block_subnormal_share_max": "max,last",
     "loss_scale": "min,max,last",
     "loss_scale/min": "min,last",
     "loss_scale/max": "max,last",
@@ -68,6 +71,14 @@ SUMMARIES: dict[str, str] = {
 
 #: The per-layer gradient-storage columns of a telemetry record (``adaloss.telemetry.STORAGE_KEYS``).
 STORAGE_COLUMNS = ("saturation_rate", "grad_scale_min", "grad_scale_max", "sqnr_db")
+#: The per-layer FP4 block columns of an FP4 run's telemetry record (``adaloss.telemetry.FP4_KEYS``), for
+#: its FP4 layers (the others get no value).
+FP4_COLUMNS = (
+    "fp4_block_clamped_share",
+    "fp4_block_subnormal_share",
+    "fp4_block_scale_spread_log2",
+    "fp4_grad_to_noise",
+)
 
 #: A layer counts in ``underflow/layers_above_1pct`` when more than this share of its gradient underflows.
 LAYER_ALARM_RATE = 0.01
@@ -329,7 +340,13 @@ class WandbLogger:
             wandb = self._wandb
             per_layer = {
                 key: record[key]
-                for key in ("loss_scale", "loss_scale_beta", "expected_loss_scale", *STORAGE_COLUMNS)
+                for key in (
+                    "loss_scale",
+                    "loss_scale_beta",
+                    "expected_loss_scale",
+                    *STORAGE_COLUMNS,
+                    *FP4_COLUMNS,
+                )
                 if isinstance(record.get(key), Mapping)
             }
             scale = record.get("loss_scale")
@@ -524,7 +541,8 @@ def _auto_tags(config: Mapping[str, Any]) -> list[str]:
 
 def _storage_summary(per_layer: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
     """Scalars over the layers of the gradient-storage columns present: saturation mean/max, SQNR min/mean
-    (finite layers), the smallest and largest quantizer scale."""
+    (finite layers), the smallest and largest quantizer scale; in an FP4 run, the smallest gradient-to-noise
+    ratio and the largest shares of clamped and subnormal block scales over the FP4 layers."""
 
     def finite(key: str) -> list[float]:
         values = (_float_or_none(v) for v in (per_layer.get(key) or {}).values())
@@ -539,6 +557,11 @@ def _storage_summary(per_layer: Mapping[str, Mapping[str, Any]]) -> dict[str, fl
         out["grad_scale/min"] = min(low)
     if high := finite("grad_scale_max"):
         out["grad_scale/max"] = max(high)
+    if ratio := finite("fp4_grad_to_noise"):
+        out["fp4/grad_to_noise_min"] = min(ratio)
+    for share in ("clamped", "subnormal"):
+        if values := finite(f"fp4_block_{share}_share"):
+            out[f"fp4/block_{share}_share_max"] = max(values)
     return out
 
 
