@@ -214,21 +214,8 @@ class _ScalerDriver:
         self.steps = int(state["steps"])
 
 
-class ScalerPrecision(_TrainerPrecision):
-    """``Trainer(plugins=[ScalerPrecision(scaler)])``: train a ``LightningModule`` with an adaloss scaler.
-
-    Args:
-        scaler (LossScaler): one of :mod:`adaloss.scalers`, not yet attached (the plugin attaches it).
-        precision (str or Precision, optional, default="fp16"): the training precision's name (``fp32``,
-            ``fp16``, ``bf16``, ``fp8_e5m2``, ``fp8_e4m3``) or an :class:`adaloss.precision.Precision`.
-        device (str, optional, default="cpu"): the device the precision is for (``"cuda"``: real autocast;
-            ``"cpu"``: the emulation), as Lightning's ``MixedPrecision(device=...)``.
-        telemetry_every (int or None, optional, default=100): log per-layer underflow and alpha through the
-            module's loggers on the first iteration and every this many; None: never.
-
-    ``training_step`` must call ``self(...)`` (the adaptive scaler rewrites ``forward``). The LR scheduler
-    steps on skipped iterations too, as under Lightning's ``MixedPrecision``.
-    """
+class _Driven:
+    """What both plugins share: the constructor (a :class:`_ScalerDriver` does the work) and ``scaler``."""
 
     def __init__(
         self,
@@ -243,6 +230,23 @@ class ScalerPrecision(_TrainerPrecision):
     def scaler(self) -> LossScaler:
         """The scaler this plugin drives."""
         return self._driver.scaler
+
+
+class ScalerPrecision(_Driven, _TrainerPrecision):
+    """``Trainer(plugins=[ScalerPrecision(scaler)])``: train a ``LightningModule`` with an adaloss scaler.
+
+    Args:
+        scaler (LossScaler): one of :mod:`adaloss.scalers`, not yet attached (the plugin attaches it).
+        precision (str or Precision, optional, default="fp16"): the training precision's name (``fp32``,
+            ``fp16``, ``bf16``, ``fp8_e5m2``, ``fp8_e4m3``) or an :class:`adaloss.precision.Precision`.
+        device (str, optional, default="cpu"): the device the precision is for (``"cuda"``: real autocast;
+            ``"cpu"``: the emulation), as Lightning's ``MixedPrecision(device=...)``.
+        telemetry_every (int or None, optional, default=100): log per-layer underflow and alpha through the
+            module's loggers on the first iteration and every this many; None: never.
+
+    ``training_step`` must call ``self(...)`` (the adaptive scaler rewrites ``forward``). The LR scheduler
+    steps on skipped iterations too, as under Lightning's ``MixedPrecision``.
+    """
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Attach the scaler to ``module``, before Lightning moves and wraps it; returns ``module`` itself.
@@ -308,7 +312,7 @@ class ScalerPrecision(_TrainerPrecision):
         self._driver.load_state_dict(state_dict)
 
 
-class FabricScalerPrecision(_FabricPrecision):
+class FabricScalerPrecision(_Driven, _FabricPrecision):
     """``Fabric(plugins=[FabricScalerPrecision(scaler)])``: Fabric's loop with an adaloss scaler.
 
     ``fabric.setup(model, optimizer)`` attaches the scaler; ``fabric.backward(loss)`` scales the loss;
@@ -318,20 +322,6 @@ class FabricScalerPrecision(_FabricPrecision):
     steps). Save and restore the scaler with the plugin in the checkpoint state:
     ``fabric.save(path, {"model": model, "optimizer": optimizer, "precision": plugin})``.
     """
-
-    def __init__(
-        self,
-        scaler: LossScaler,
-        precision: str | Precision = "fp16",
-        device: str | torch.device = "cpu",
-        telemetry_every: int | None = 100,
-    ) -> None:
-        self._driver = _ScalerDriver(scaler, precision, device, telemetry_every)
-
-    @property
-    def scaler(self) -> LossScaler:
-        """The scaler this plugin drives."""
-        return self._driver.scaler
 
     @property
     def steps(self) -> int:
