@@ -615,6 +615,8 @@ def _train(run_dir: Path, experiment: str, *overrides: str) -> None:
     (run_dir / ".hydra" / "overrides.yaml").write_text(f"- experiment={experiment}\n", encoding="utf-8")
 
 
+# trains every figure experiment (about a minute alone): make test keeps the mini reproduction's test
+@pytest.mark.slow
 def test_the_figure_experiments_trained_for_real_feed_the_figures(tmp_path: Path) -> None:
     """Each job of fig1_ssd_stats and fig4_scales, shrunk to 3 iterations on CPU (SSD512 on ``shapes`` at
     64 px with 1/8 of the channels; the MLP on synthetic images for panel a): what the trainer writes is what

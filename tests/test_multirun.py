@@ -62,6 +62,7 @@ def _snapshot(folder: Path) -> dict[str, tuple[int, bytes]]:
             if p.is_file()}  # fmt: skip
 
 
+@pytest.mark.slow  # about 30 s of subprocesses; make test keeps the sweep and its error lines
 def test_a_sweep_relaunched_after_a_crash_reruns_only_its_unfinished_jobs(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     args = ["-m", *TINY_CLI, "trainer.max_steps=6", "trainer.checkpoint_every=2", "seed=0,1,2",

@@ -650,6 +650,7 @@ def test_counterfactual_probe_matches_hand_values() -> None:
         UnderflowMonitor(counterfactual="yes")
 
 
+@pytest.mark.slow  # a whole CLI run (about 15 s); the storage telemetry's parts are tested above
 def test_the_issue_command_trains_on_the_cpu_and_writes_the_storage_telemetry(tmp_path: Path) -> None:
     """The issue's command as a user types it (one child process), shrunk by overrides; a recipe with
     options is a mapping on the command line."""

@@ -110,6 +110,7 @@ def test_bench_quick_writes_every_ratio(bench, tmp_path: Path, capsys, one_threa
         assert row[5] == ("PASS" if entry["median"] <= target else "over target"), row
 
 
+@pytest.mark.slow  # about 30 s; make test keeps test_bench_quick_writes_every_ratio
 def test_bench_paired_configs_report_only_their_ratios(tmp_path: Path, capsys, one_thread) -> None:
     """--configs measures a subset (a paired adaptive-versus-dynamic run); ratios needing an unmeasured
     configuration are left out rather than reported as n/a. With --opcounts on (the default of a full
