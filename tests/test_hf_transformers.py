@@ -223,16 +223,91 @@ HF_RUN = (
 )
 
 
-@pytest.mark.parametrize("model", ["hf_gpt2", pytest.param("hf_llama", marks=pytest.mark.slow)])
+RUN_LAYERS = {
+    "hf_gpt2": "transformer.h.0.attn.c_attn",
+    "hf_llama": "model.layers.0.self_attn.q_proj",
+    "hf_bert": "bert.encoder.layer.0.attention.self.query",
+}
+
+
+@pytest.mark.parametrize("model", ["hf_gpt2", pytest.param("hf_llama", marks=pytest.mark.slow), "hf_bert"])
 def test_a_short_run_trains_with_telemetry_named_after_the_transformers_modules(make_full_cfg, model):
     """``python train.py model=hf_gpt2 dataset=pystdlib scaler=adaptive``: the bundled config, the vocabulary
-    and context of the data, emulated FP16, the per-layer telemetry and scales under the modules' names."""
+    and context of the data, emulated FP16, the per-layer telemetry and scales under the modules' names.
+    ``model=hf_bert``: BertForMaskedLM with the data's vocabulary plus [MASK], trained as a masked LM."""
     from adaloss.engine import train
 
     metrics = train(make_full_cfg(f"model={model}", *HF_RUN))
     assert metrics["steps"] == 3 and not metrics["diverged"] and metrics["val_loss"] < 6.0
-    layer = "transformer.h.0.attn.c_attn" if model == "hf_gpt2" else "model.layers.0.self_attn.q_proj"
+    layer = RUN_LAYERS[model]
     assert layer in metrics["underflow_rate"] and layer in metrics["loss_scale"], metrics["loss_scale"]
+
+
+def test_bert_masking_is_seeded_and_follows_bert():
+    """``mask_tokens``: the same generator seed gives the same masking, another seed another, and a window's
+    masking does not depend on how the windows are batched; 15% of the positions of every window are
+    chosen, of those about 80% [MASK], 10% a random data token and 10% unchanged; labels elsewhere -100."""
+    from adaloss.engine.tasks import IGNORE, mask_tokens
+
+    x = torch.randint(0, 256, (256, 64), generator=torch.Generator().manual_seed(0))
+
+    def masked(seed: int, sizes: tuple[int, ...] = (256,)) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        parts = [mask_tokens(part, 0.15, 256, g) for part in x.split(list(sizes))]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+    inputs, labels = masked(1)
+    assert all(torch.equal(a, b) for a, b in zip(masked(1, (100, 156)), (inputs, labels), strict=True))
+    assert not torch.equal(masked(2)[1], labels)
+    chosen = labels != IGNORE
+    assert (chosen.sum(1) == round(0.15 * 64)).all()
+    assert torch.equal(labels[chosen], x[chosen]) and torch.equal(inputs[~chosen], x[~chosen])
+    n = int(chosen.sum())
+    as_mask = int((inputs[chosen] == 256).sum()) / n
+    kept = int((inputs[chosen] == x[chosen]).sum()) / n  # random tokens equal to the original included
+    assert abs(as_mask - 0.8) < 0.02 and abs(kept - 0.1) < 0.02 and int(inputs.max()) == 256, (as_mask, kept)
+
+
+class _Copier(torch.nn.Module):
+    """Logits that predict each input token at its own position (confidently): loss ~0 where the input is
+    the label, large at [MASK]."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.vocab = vocab
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return 20.0 * torch.nn.functional.one_hot(ids, self.vocab).double()
+
+
+def test_the_masked_loss_counts_only_the_masked_positions():
+    """The task's loss is the cross-entropy at the masked positions alone (a loss over every position
+    would be about 15% of it here: the copying model is right wherever nothing was masked), and the
+    validation loss uses the same masking at every evaluation, whatever the batch size."""
+    from adaloss.data.text import TextInfo
+    from adaloss.engine.tasks import LanguageModelTask, mask_tokens
+    from adaloss.precision import Precision
+
+    info = TextInfo("text", 256, 0, 0, 10, 10, vocab_size=256, block_size=32)
+    model = _Copier(257)
+    task = LanguageModelTask(model, torch.device("cpu"), info, masking=0.15)
+    windows = torch.randint(0, 256, (8, 33), generator=torch.Generator().manual_seed(0))
+    batch = (windows[:, :-1], windows[:, 1:])
+    torch.manual_seed(3)  # the training masks: torch's default generator (the run's seed, checkpointed)
+    loss, _ = task.loss(model, task.to_device(batch))
+    inputs, labels = mask_tokens(batch[0], 0.15, 256, torch.Generator().manual_seed(3))
+    logits = model(inputs).flatten(0, 1)
+    chosen = labels.flatten() != -100
+    expected = torch.nn.functional.cross_entropy(logits[chosen], labels.flatten()[chosen])
+    torch.testing.assert_close(loss, expected)
+    assert expected > 5.0  # [MASK] positions cost 20 nats, the others nothing
+    precision = Precision("fp32", "cpu")
+    values = [task.evaluate(model, [batch], precision).value for _ in range(2)]
+    smaller = list(zip(batch[0].split(3), batch[1].split(3), strict=True))
+    values.append(task.evaluate(model, smaller, precision).value)
+    assert values[0] == values[1] and abs(values[2] - values[0]) < 1e-9, values
+    with pytest.raises(ConfigError, match="needs a masked language model.*use model=hf_bert"):
+        LanguageModelTask(gpt2(), torch.device("cpu"), info, masking=0.15)
 
 
 def test_the_runner_says_what_is_missing(monkeypatch):
@@ -378,6 +453,32 @@ def test_checkpointing_follows_enable_and_disable_after_attach():
     attached.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     with pytest.raises(ConfigError, match=r"use_reentrant given.*'use_reentrant': False"):
         attached(**inputs)
+
+
+def test_the_recompute_rounds_as_the_emulated_forward_pass_did():
+    """Emulated FP16 around the forward pass only (as the runner does): the checkpointed layers recompute
+    in the backward pass, outside the emulation's context, and must round as the forward pass did; the
+    gradients then equal those of the same captured model without checkpointing, bit for bit."""
+    from adaloss.precision import Precision
+
+    torch.manual_seed(0)
+    model = gpt2(dropout=0.1)
+    inputs = batch("gpt2", 3, 8)
+    precision = Precision("fp16", "cpu")
+    grads = []
+    for checkpointed in (False, True):
+        scaler = AdaptiveLossScaler()
+        attached = scaler.attach(copy.deepcopy(model), **inputs)
+        if checkpointed:
+            attached.gradient_checkpointing_enable()
+        torch.manual_seed(1)
+        with precision.autocast():
+            loss = attached(**inputs).loss
+        scaler.scale(loss).backward()
+        assert (attached.forward.checkpointed is not None) == checkpointed
+        grads.append({n: p.grad for n, p in attached.named_parameters()})
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=0, atol=0, msg=name)
 
 
 def test_every_conv1d_and_linear_gets_a_point_with_checkpointing_on():
