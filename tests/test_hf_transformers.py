@@ -519,3 +519,20 @@ def test_t5_encoder_decoder_is_exact():
     assert report.ok, report.format()
     alphas = report.alphas[("reference", "recompute")]
     assert len(alphas) == 39 and len(set(alphas.values())) >= 3, alphas
+
+
+def test_a_resumed_bert_run_draws_the_masks_it_would_have_drawn(make_full_cfg, tmp_path):
+    """The training masks come from torch's default generator, whose state the checkpoint holds: resumed
+    at step 2, a masked-LM run ends bitwise on the weights of the uninterrupted one (a generator of the
+    task's own, not in the checkpoint, would mask steps 3 and 4 otherwise)."""
+    from adaloss.engine import train
+    from test_checkpoint import _assert_bitwise_equal, _weights
+
+    run = ("model=hf_bert", *HF_RUN[:-3], "trainer.max_steps=4", "trainer.eval_every=4")
+    run += ("trainer.checkpoint_every=2", "trainer.save_final=true", "telemetry.every=4")
+    train(make_full_cfg(*run))
+    first = _weights(tmp_path / "model.pt")
+    (tmp_path / "model.pt").unlink()
+    (tmp_path / "metrics.json").unlink()
+    train(make_full_cfg(*run, f"resume={tmp_path / 'checkpoints' / 'step_2.pt'}"))
+    _assert_bitwise_equal(first, _weights(tmp_path / "model.pt"))
