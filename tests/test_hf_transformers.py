@@ -430,7 +430,8 @@ def test_gradient_checkpointing_saves_the_layers_activations(name):
 
 def test_checkpointing_follows_enable_and_disable_after_attach():
     """Toggling checkpointing after ``attach()`` takes effect on the next call (the layers' flags are read
-    on each call, as transformers' layers read them): gradients stay equal and the kept bytes follow."""
+    on each call, as transformers' layers read them): gradients stay equal and the kept bytes follow, and
+    ``every_n_layers=2`` checkpoints one layer of two. Reentrant checkpointing is refused by name."""
     torch.manual_seed(0)
     model = gpt2(dropout=0.0)
     inputs = batch("gpt2", 4, 32)
@@ -450,6 +451,8 @@ def test_checkpointing_follows_enable_and_disable_after_attach():
     assert grads[1][-1] < 0.6 * grads[0][-1] and grads[2][-1] == grads[0][-1]
     for a, b in zip(grads[0][:-1], grads[1][:-1], strict=True):
         torch.testing.assert_close(a, b)
+    attached.activation_checkpointing_enable(every_n_layers=2)  # the first of the two layers only
+    assert grads[1][-1] < _kept_bytes(attached, inputs) < grads[0][-1]
     attached.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     with pytest.raises(ConfigError, match=r"use_reentrant given.*'use_reentrant': False"):
         attached(**inputs)
