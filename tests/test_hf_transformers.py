@@ -308,6 +308,10 @@ def test_the_masked_loss_counts_only_the_masked_positions():
     assert values[0] == values[1] and abs(values[2] - values[0]) < 1e-9, values
     with pytest.raises(ConfigError, match="needs a masked language model.*use model=hf_bert"):
         LanguageModelTask(gpt2(), torch.device("cpu"), info, masking=0.15)
+    bert_mlm = transformers.BertForMaskedLM(transformers.BertConfig(vocab_size=257, hidden_size=8,
+        num_hidden_layers=1, num_attention_heads=2, intermediate_size=8))  # fmt: skip
+    with pytest.raises(ConfigError, match=r"task.masking=0 trains the masked language model BertForMaskedLM"):
+        LanguageModelTask(bert_mlm, torch.device("cpu"), info)
 
 
 def test_the_runner_says_what_is_missing(monkeypatch):
@@ -455,6 +459,11 @@ def test_checkpointing_follows_enable_and_disable_after_attach():
     assert grads[1][-1] < _kept_bytes(attached, inputs) < grads[0][-1]
     attached.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     with pytest.raises(ConfigError, match=r"use_reentrant given.*'use_reentrant': False"):
+        attached(**inputs)
+    attached.forward.checkpointed = None  # a graph whose nodes do not name their modules:
+    for node in attached.forward.gm.graph.nodes:
+        node.meta.pop("nn_module_stack", None)
+    with pytest.raises(ConfigError, match=r"none of the layers transformer.h.0, .*gradient_checkpointing_"):
         attached(**inputs)
 
 

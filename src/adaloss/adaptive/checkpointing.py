@@ -108,6 +108,13 @@ def checkpointed_graph(gm: fx.GraphModule, layers: dict[str, nn.Module]) -> fx.G
     own. Parameters and modules are ``gm``'s own objects. Cost: one pass over the graph and a recompile
     (milliseconds; made once per capture, on the first checkpointed call)."""
     part, layer_of = _partition(gm, layers)
+    if not layer_of:
+        named = ", ".join(sorted(layers)[:3])
+        raise ConfigError(
+            f"gradient checkpointing: none of the layers {named}, ... is named in the "
+            "captured graph (its nodes' nn_module_stack), so none can be recomputed; turn checkpointing off "
+            "(model.gradient_checkpointing_disable()) to train the captured model"
+        )
     split = split_module(gm, None, lambda node: part[node], keep_original_order=True)
     for index, path in layer_of.items():
         name = f"submod_{index}"

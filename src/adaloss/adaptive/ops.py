@@ -597,14 +597,21 @@ class _Operands:
     _TENSORS: tuple[str, ...] = ()
 
     def take(self) -> tuple[torch.Tensor | None, ...]:
-        """The operand tensors, removed from this object (to be passed to the autograd function)."""
+        """The operand tensors, removed from this object (to be passed to the autograd function). None
+        while compiling: a compiled step has no checkpointing, and dynamo refuses a backward pass that
+        writes into an object of its forward pass, so the tensors stay attributes there."""
+        if torch.compiler.is_compiling():
+            return ()
         tensors = tuple(getattr(self, name) for name in self._TENSORS)
         for name in self._TENSORS:
             setattr(self, name, None)
         return tensors
 
     def give(self, tensors: tuple[torch.Tensor | None, ...]) -> _Operands:
-        """This object with the tensors :meth:`take` removed put back (``ctx.saved_tensors``)."""
+        """This object with the tensors :meth:`take` removed put back (``ctx.saved_tensors``; none: it
+        took none, and the object is returned as it is)."""
+        if not tensors:
+            return self
         for name, t in zip(self._TENSORS, tensors, strict=True):
             setattr(self, name, t)
         return self

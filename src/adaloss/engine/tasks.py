@@ -256,8 +256,9 @@ class LanguageModelTask(Task):
     def __init__(
         self, model: nn.Module, device: torch.device, info: Any = None, masking: float = 0.0
     ) -> None:
-        """``ConfigError`` for a GPT whose vocabulary or context is smaller than the data's (``info``), and
-        for masking with a model whose vocabulary has no token after the data's."""
+        """``ConfigError`` for a GPT whose vocabulary or context is smaller than the data's (``info``), for
+        masking with a model whose vocabulary has no token after the data's, and for a masked LM without
+        masking."""
         if isinstance(model, GPT) and info is not None:
             c = model.config
             if c.vocab_size < info.vocab_size or c.block_size < info.block_size:
@@ -271,6 +272,12 @@ class LanguageModelTask(Task):
         self.block_size = getattr(info, "block_size", None)
         self.masking = float(masking)
         self.mask_id = getattr(info, "vocab_size", None)
+        if not self.masking and type(model).__name__.endswith("ForMaskedLM"):  # transformers' naming
+            raise ConfigError(
+                f"task.masking=0 trains the masked language model {type(model).__name__} to predict the "
+                "next token, which its bidirectional attention sees in the input: leave task.masking to "
+                "the model's config (model.masking=0.15)"
+            )
         if self.masking:
             vocab = getattr(getattr(model, "config", None), "vocab_size", None)
             if self.mask_id is None or (vocab is not None and vocab <= self.mask_id):
