@@ -10,7 +10,8 @@ command again and compares key by key.
 What may differ, and only that: the ``_target_``/``_partial_`` keys every group now names what it builds
 with, the schema fields an option's YAML did not spell out (``NEW_KEYS``, each with the value it must
 have), the name of the recipe a command selects (``recipe``, a new group), and the ``task`` node (a new
-group too: the task each dataset selects, ``DATASET_TASKS``, with the detector's ``init``).
+group too: the task each dataset selects, ``DATASET_TASKS``, with the detector's ``init`` and the
+language model's ``masking``).
 """
 
 from __future__ import annotations
@@ -182,11 +183,13 @@ DATASET_TASKS = {
 
 
 def _task_keys(actual: dict[str, Any]) -> dict[str, Any]:
-    """The ``task`` node a command must have: its dataset's task and, for detection, the model's init."""
+    """The ``task`` node a command must have: its dataset's task and, for detection, the model's init, for
+    language models the model's masking (a masked LM's; 0: next-token prediction)."""
     name = DATASET_TASKS.get(actual["dataset.name"], "classification")
     return {
         "task.name": name,
         **({"task.init": actual.get("model.init", "default")} if name == "detection" else {}),
+        **({"task.masking": actual.get("model.masking", 0.0)} if name == "language_model" else {}),
     }
 
 

@@ -56,7 +56,7 @@ def test_a_bundled_name_without_target_is_its_config_file() -> None:
         name, bundled = bundled_model({"name": stem})
         assert name == stem and OmegaConf.to_container(bundled, resolve=True) == composed, stem
     assert set(model_names("detection")) == {"ssd300", "ssd512"}
-    assert set(model_names("language_model")) == {"gpt", "gpt2_small", "hf_gpt2", "hf_llama"}
+    assert set(model_names("language_model")) == {"gpt", "gpt2_small", "hf_bert", "hf_gpt2", "hf_llama"}
 
 
 def test_a_users_own_module_trains_through_model_target(

@@ -613,10 +613,15 @@ class DetectionTaskConf(PartConf):
 
 @dataclass
 class LanguageModelTaskConf(PartConf):
-    """``task=language_model``: next-token cross-entropy, validation loss and perplexity."""
+    """``task=language_model``: next-token cross-entropy, validation loss and perplexity; with ``masking``
+    (a masked LM's ``model.masking``) the masked-LM objective on that fraction of the positions."""
 
     _target_: str = "adaloss.engine.tasks.LanguageModelTask"
     name: str = meta("language_model")
+    masking: float = "${oc.select:model.masking,0.0}"  # type: ignore[assignment]  # 0: next-token
+
+    def __post_init__(self) -> None:
+        number(self, "masking", 0.15, 0.0, 1.0, high_open=True)
 
 
 # model
@@ -717,6 +722,25 @@ class HFCausalLMConf(PartConf):
     def __post_init__(self) -> None:
         positive_int(self, "vocab_size", 256, optional=True)
         positive_int(self, "block_size", 64, optional=True)
+
+
+@dataclass
+class HFMaskedLMConf(PartConf):
+    """A Hugging Face transformers masked LM from a bundled config file (``adaloss.models.hf.masked_lm``),
+    trained by the language-model task with ``masking`` of the positions masked."""
+
+    TASK: ClassVar[str | None] = "language_model"
+    _target_: str = "adaloss.models.hf.masked_lm"
+    config: str = MISSING  # a file of configs/model/hf/ (bert_tiny.json) or a path
+    attn_implementation: str = "sdpa"  # eager | sdpa
+    vocab_size: int | None = if_set()  # null: the dataset's (the model adds [MASK])
+    block_size: int | None = if_set()  # null: the dataset's
+    masking: float = meta(0.15)  # the fraction of positions masked: the task's setting (task.masking)
+
+    def __post_init__(self) -> None:
+        positive_int(self, "vocab_size", 256, optional=True)
+        positive_int(self, "block_size", 64, optional=True)
+        number(self, "masking", 0.15, 0.0, 1.0, low_open=True, high_open=True)
 
 
 @dataclass
@@ -933,6 +957,7 @@ SCHEMAS: tuple[tuple[str, str, type], ...] = (
     ("model", "vit", ViTConf),
     ("model", "gpt", GPTConf),
     ("model", "hf_causal_lm", HFCausalLMConf),
+    ("model", "hf_masked_lm", HFMaskedLMConf),
     ("model", "ssd", SSDConf),
     ("model", "custom", CustomConf),
     ("dataset", "cifar", CifarConf),

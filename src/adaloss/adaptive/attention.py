@@ -368,7 +368,7 @@ def _probed(out: Any, name: str, state: AdaptiveState) -> Any:
     if tele is None or not isinstance(out, torch.Tensor) or not out.requires_grad:
         return out
     emu, fmt = tele
-    return GradProbe.apply(out, emu.probe_for(name), fmt)
+    return GradProbe.apply(out, emu.probe_for(name), fmt, None)
 
 
 # ---------------------------------------------------------------------------------------- products
@@ -474,7 +474,7 @@ def _scaled(
     """``y`` behind its :class:`ScaledProduct` and, when the emulation stores it in the format, behind the
     :class:`GradRound` that stores its gradient there (counted under ``probe`` on a telemetry step)."""
     fmt = emu.fmt if emu is not None and round_out else None
-    y = ScaledProduct.apply(y, point, state, operands, fmt)
+    y = ScaledProduct.apply(y, point, state, operands, fmt, *operands.take())
     if fmt is not None:
         return GradRound.apply(y, emu.grad_fmt, emu.probe_for(probe), emu.grad_site(y))
     return _probed(y, probe, state)
@@ -541,7 +541,8 @@ class AttentionCore(nn.Module):
             scores = AttentionOperands(
                 q, k, v, mask, is_causal, scale, tele[0].probe_for(f"{self.name}.scores")
             )
-            return GradProbe.apply(out, tele[0].probe_for(f"{self.name}.values"), tele[1], scores)
+            probe = tele[0].probe_for(f"{self.name}.values")
+            return GradProbe.apply(out, probe, tele[1], scores, *scores.take())
         emu = active_emulation()
         if emu is None or emu.fmt is None:
             out, round_out = F.scaled_dot_product_attention(*args, **kwargs), False

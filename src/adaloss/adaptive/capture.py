@@ -19,12 +19,14 @@ its class, its ``state_dict()`` keys and its methods (``generate()``, ``save_pre
 the captured arguments (the same positional count and keywords; other shapes are fine) runs the rewritten
 graph; any other call runs the model's own forward when no gradient is recorded (``generate()`` under
 ``torch.no_grad()``: the values are the same, only the backward pass differs), and is refused otherwise.
+With transformers' gradient checkpointing on (before or after the capture), a training call runs the
+rewritten graph split at the checkpointed layers, each recomputed in the backward pass
+(:mod:`adaloss.adaptive.checkpointing`).
 """
 
 from __future__ import annotations
 
 import inspect
-import warnings
 from typing import Any
 
 import torch
@@ -32,6 +34,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from adaloss.adaptive.checkpointing import checkpointable_layers, checkpointed_graph, checkpointing
 from adaloss.errors import ConfigError
 
 __all__ = ["ATEN_AS_TORCH", "ATEN_METADATA", "CapturedForward", "TrainingValue", "capture", "to_torch_ops"]
@@ -142,14 +145,6 @@ def capture(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
         ) from exc
     finally:
         model.train(was_training)
-    if getattr(model, "is_activation_checkpointing", False):  # transformers' flag
-        warnings.warn(
-            f"{type(model).__name__} has gradient checkpointing on; torch.export records the checkpointed "
-            "blocks' ops as they run, so the captured model keeps their activations (gradients are exact, "
-            "memory is as without checkpointing)",
-            UserWarning,
-            stacklevel=4,
-        )
     gm = program.module()
     to_torch_ops(gm)
     return gm
@@ -236,7 +231,10 @@ class CapturedForward:
     """The forward of a captured model: the rewritten graph for calls with the captured arguments (by name:
     ``model(ids)`` and ``model(input_ids=ids)`` are one call), the model's own forward for other calls
     without gradients (see the module docstring). Keeps the graph's ``train()`` / ``eval()`` mode that of
-    the model (one flag compare per call)."""
+    the model (one flag compare per call). A training call with gradients while some transformers layer
+    has its ``gradient_checkpointing`` flag on runs the graph split at those layers
+    (:func:`~adaloss.adaptive.checkpointing.checkpointed_graph`, made on the first such call; the flags
+    are read on every call, a few attribute reads). No host sync."""
 
     def __init__(self, model: nn.Module, gm: fx.GraphModule, args: tuple, kwargs: dict) -> None:
         self.model = model
@@ -246,6 +244,8 @@ class CapturedForward:
         self.positional = _positional_names(model, len(args))
         self.keywords = tuple(kwargs)
         self.names = frozenset((*self.positional, *self.keywords))
+        self.layers = checkpointable_layers(model)
+        self.checkpointed: fx.GraphModule | None = None  # gm split at the layers, made when first used
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         model, gm = self.model, self.gm
@@ -254,6 +254,10 @@ class CapturedForward:
         except TypeError:
             given = None
         if given is not None and given.keys() == self.names:
+            if self.layers and model.training and torch.is_grad_enabled() and checkpointing(self.layers):
+                if self.checkpointed is None:
+                    self.checkpointed = checkpointed_graph(gm, self.layers)
+                gm = self.checkpointed
             if gm.training != model.training:  # ep.module() refuses train(): the flags are set one by one
                 for module in gm.modules():
                     module.training = model.training

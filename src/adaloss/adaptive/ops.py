@@ -504,8 +504,10 @@ class GradProbe(torch.autograd.Function):
     None) counts the attention scores' gradient as well. Telemetry steps only."""
 
     @staticmethod
-    def forward(ctx, y, probe, fmt, operands=None):  # type: ignore[override]
+    def forward(ctx, y, probe, fmt, operands, *tensors):  # type: ignore[override]
         ctx.probe, ctx.fmt, ctx.operands = probe, fmt, operands
+        with torch._C.DisableTorchFunction():
+            ctx.save_for_backward(*tensors)  # the operands' tensors (``_Operands.take``)
         return _alias(y)
 
     @staticmethod
@@ -515,8 +517,8 @@ class GradProbe(torch.autograd.Function):
             if ctx.probe is not None:
                 ctx.probe.record(grad, rounded)
             if ctx.operands is not None:
-                ctx.operands.record(rounded if rounded is not None else grad, None)
-        return grad, None, None, None
+                ctx.operands.give(ctx.saved_tensors).record(rounded if rounded is not None else grad, None)
+        return (grad, *(None,) * (len(ctx.needs_input_grad) - 1))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -585,11 +587,43 @@ def _norm_and_max(t: torch.Tensor, reduce_fn: Any) -> tuple[torch.Tensor, torch.
     return norm, top
 
 
-class MatmulOperands:
+class _Operands:
+    """The operands a product's beta is computed from. They reach the backward pass through
+    ``ctx.save_for_backward``, not as Python attributes: the caller hands :meth:`take`'s tensors to the
+    autograd function as inputs, which saves them, and its backward pass puts them back (:meth:`give`).
+    So saved-tensor hooks see them, and activation checkpointing (``torch.utils.checkpoint``) frees them
+    after the forward pass and recomputes them with the rest of the checkpointed block."""
+
+    _TENSORS: tuple[str, ...] = ()
+
+    def take(self) -> tuple[torch.Tensor | None, ...]:
+        """The operand tensors, removed from this object (to be passed to the autograd function). None
+        while compiling: a compiled step has no checkpointing, and dynamo refuses a backward pass that
+        writes into an object of its forward pass, so the tensors stay attributes there."""
+        if torch.compiler.is_compiling():
+            return ()
+        tensors = tuple(getattr(self, name) for name in self._TENSORS)
+        for name in self._TENSORS:
+            setattr(self, name, None)
+        return tensors
+
+    def give(self, tensors: tuple[torch.Tensor | None, ...]) -> _Operands:
+        """This object with the tensors :meth:`take` removed put back (``ctx.saved_tensors``; none: it
+        took none, and the object is returned as it is)."""
+        if not tensors:
+            return self
+        for name, t in zip(self._TENSORS, tensors, strict=True):
+            setattr(self, name, t)
+        return self
+
+
+class MatmulOperands(_Operands):
     """What :func:`product_beta` needs of ``y = a @ b`` (``torch.matmul``, ``@``, ``bmm``, ``mm``, and the
     ``input @ weight^T`` of an ``F.linear`` whose weight is an activation): ``da = delta b^T`` sums
     ``b.shape[-1]`` products, ``db = a^T delta`` sums ``a.shape[-2]``. Only the inputs that need a gradient
     count. The operands are the ones the product saved for its own backward: no extra memory."""
+
+    _TENSORS = ("a", "b")
 
     def __init__(self, a: torch.Tensor, b: torch.Tensor) -> None:
         self.a, self.b = a.detach(), b.detach()
@@ -608,7 +642,7 @@ class MatmulOperands:
         """Nothing beyond the output gradient (counted where it is rounded)."""
 
 
-class AttentionOperands:
+class AttentionOperands(_Operands):
     """What :func:`product_beta` needs of scaled dot-product attention ``O = softmax(s Q K^T + M) V``
     (``s = 1/sqrt(d)`` unless given): its four products, ``dP = dO V^T`` (F = d), ``dV = P^T dO``
     (F = queries), ``dQ = s dS K`` (F = keys), ``dK = s dS^T Q`` (F = queries), with
@@ -618,6 +652,8 @@ class AttentionOperands:
     dropout). On a telemetry step :meth:`record` counts what storing ``dS`` at the scale the kernel sees it
     (the gradient times beta) would lose: GPU attention kernels store it in half precision before its
     two products; the emulation keeps it in FP32 inside the kernel, as the CPU's does."""
+
+    _TENSORS = ("q", "k", "v", "mask")
 
     def __init__(
         self,
@@ -698,9 +734,10 @@ class ScaledProduct(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, y, point: GemmPoint, state: AdaptiveState, operands: Any, round_fmt: Any):  # type: ignore[override]
+    def forward(ctx, y, point: GemmPoint, state: AdaptiveState, operands: Any, round_fmt: Any, *tensors):  # type: ignore[override]
         ctx.point, ctx.state, ctx.operands, ctx.kind = point, state, operands, state.kind
         with torch._C.DisableTorchFunction():
+            ctx.save_for_backward(*tensors)  # the operands' tensors (``_Operands.take``)
             if round_fmt is None:
                 return _alias(y)
             return mark_low_precision(round_to_format(y, round_fmt))
@@ -708,7 +745,7 @@ class ScaledProduct(torch.autograd.Function):
     @staticmethod
     def backward(ctx, delta):  # type: ignore[override]
         with torch._C.DisableTorchFunction():
-            point, state, operands = ctx.point, ctx.state, ctx.operands
+            point, state, operands = ctx.point, ctx.state, ctx.operands.give(ctx.saved_tensors)
             kind = _pass_kind(ctx, point.name)
             pairs: list = []
 
@@ -718,7 +755,8 @@ class ScaledProduct(torch.autograd.Function):
 
             beta = _point_beta(state, kind, point, delta.device, compute)
             operands.record(delta, beta, pairs)
-            return (delta if beta is None else delta * beta), None, None, None, None
+            nones = (None,) * (len(ctx.needs_input_grad) - 1)
+            return ((delta if beta is None else delta * beta), *nones)
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ the evaluation metric.
   ``ap_per_class``). The module trained (and rewritten by the adaptive scaler) is the detector's
   ``net``; default boxes, loss and post-processing stay on the :class:`~adaloss.models.ssd.SSDDetector`.
 * :class:`LanguageModelTask`: next-token cross-entropy over every position of ``[B, T]`` token windows;
-  validation loss (``val_loss``, nats per token, lower is better) and perplexity (``exp(val_loss)``).
+  validation loss (``val_loss``, nats per token, lower is better) and perplexity (``exp(val_loss)``). With
+  ``masking`` (``model=hf_bert``) the masked-LM objective instead (:func:`mask_tokens`).
 
 Every task is built from the ``task`` config group's ``_target_`` (``configs/task/``; each dataset config
 selects the one its data calls for, ``task=custom task._target_=my_pkg.MyTask`` plugs in a class of the
@@ -46,8 +47,14 @@ __all__ = [
     "Task",
     "build_task",
     "check_model_and_dataset",
+    "mask_tokens",
     "task_class",
 ]
+
+#: the label of a position the loss does not count (``F.cross_entropy``'s default ``ignore_index``)
+IGNORE = -100
+#: the seed of the validation masks: the same masking in every evaluation of every run
+VALIDATION_MASKS_SEED = 1234
 
 
 class Evaluation(dict):
@@ -231,6 +238,14 @@ class LanguageModelTask(Task):
     The loss is the cross-entropy of the logits ``[B, T, vocab]`` at every position, averaged over the
     ``B * T`` tokens (nats per token). The evaluation is the same mean over the validation windows:
     ``val_loss``, with ``perplexity = exp(val_loss)``; lower is better, so ``best_val_loss`` is the lowest.
+
+    ``masking`` > 0 (a masked LM's ``model.masking``, ``model=hf_bert``): the masked-LM objective. Each
+    window ``x`` is masked (:func:`mask_tokens`: that fraction of its positions, ``[MASK]`` being the token
+    after the data's vocabulary), ``y`` is ignored, and the loss and ``val_loss`` are the cross-entropy at
+    the masked positions alone. The training masks come from torch's default CPU generator (the run's
+    ``seed`` seeds it, a checkpoint holds its state: a resumed run draws the masks it would have drawn),
+    the validation masks from a generator seeded with :data:`VALIDATION_MASKS_SEED` at every evaluation,
+    so ``val_loss`` is comparable across evaluations and runs.
     """
 
     kind = "language_model"
@@ -238,8 +253,12 @@ class LanguageModelTask(Task):
     log_name = "loss"
     lower_is_better = True
 
-    def __init__(self, model: nn.Module, device: torch.device, info: Any = None) -> None:
-        """``ConfigError`` for a GPT whose vocabulary or context is smaller than the data's (``info``)."""
+    def __init__(
+        self, model: nn.Module, device: torch.device, info: Any = None, masking: float = 0.0
+    ) -> None:
+        """``ConfigError`` for a GPT whose vocabulary or context is smaller than the data's (``info``), for
+        masking with a model whose vocabulary has no token after the data's, and for a masked LM without
+        masking."""
         if isinstance(model, GPT) and info is not None:
             c = model.config
             if c.vocab_size < info.vocab_size or c.block_size < info.block_size:
@@ -251,36 +270,65 @@ class LanguageModelTask(Task):
                 )
         super().__init__(model, device)
         self.block_size = getattr(info, "block_size", None)
+        self.masking = float(masking)
+        self.mask_id = getattr(info, "vocab_size", None)
+        if not self.masking and type(model).__name__.endswith("ForMaskedLM"):  # transformers' naming
+            raise ConfigError(
+                f"task.masking=0 trains the masked language model {type(model).__name__} to predict the "
+                "next token, which its bidirectional attention sees in the input: leave task.masking to "
+                "the model's config (model.masking=0.15)"
+            )
+        if self.masking:
+            vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+            if self.mask_id is None or (vocab is not None and vocab <= self.mask_id):
+                raise ConfigError(
+                    f"task.masking={self.masking} needs a masked language model whose vocabulary has a "
+                    f"[MASK] token after the data's {self.mask_id} tokens: use model=hf_bert, or "
+                    "task.masking=0 for next-token prediction"
+                )
 
     def example_inputs(self) -> tuple[Tensor, ...]:
         """Two windows of token 0 (a Hugging Face model is captured on them: sizes of 1 would be fixed)."""
         return (torch.zeros(2, self.block_size or 2, dtype=torch.long, device=self.device),)
 
     def to_device(self, batch: Any) -> tuple[Tensor, Tensor]:
+        """The inputs and targets on the device; with masking, the masked inputs and their labels (masks
+        drawn on the CPU from torch's default generator). No host sync."""
+        return self._prepared(batch, torch.default_generator)
+
+    def _prepared(self, batch: Any, masks: torch.Generator) -> tuple[Tensor, Tensor]:
         x, y = batch
+        if self.masking:
+            x, y = mask_tokens(x, self.masking, self.mask_id, masks)
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     def loss(self, model: nn.Module, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        """Mean cross-entropy over the counted positions (every one, or the masked ones: labels of
+        :data:`IGNORE` do not count). No host sync."""
         x, y = batch
         logits = _logits(model(x))  # (B, T, vocab)
-        return F.cross_entropy(logits.flatten(0, 1), y.flatten()), logits
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE), logits
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, loader: Iterable[Any], precision: Precision) -> Evaluation:
-        """Mean next-token cross-entropy (nats per token) over ``loader``, in eval mode and the training
-        format; ``perplexity`` too. Cost: one forward pass over the validation windows, one host sync."""
+        """Mean cross-entropy (nats per counted token) over ``loader``, in eval mode and the training
+        format (with masking: the same validation masks every time); ``perplexity`` too. Cost: one forward
+        pass over the validation windows, one host sync."""
         was_training = model.training
         model.eval()
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        tokens = 0
+        tokens = torch.zeros((), dtype=torch.float64, device=self.device)
+        masks = torch.Generator().manual_seed(VALIDATION_MASKS_SEED)
         for batch in loader:
-            x, y = self.to_device(batch)
+            x, y = self._prepared(batch, masks)
             with precision.autocast():
                 logits = _logits(model(x))
-            total += F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum").double()
-            tokens += y.numel()
+            flat = logits.flatten(0, 1).float()
+            total += F.cross_entropy(flat, y.flatten(), ignore_index=IGNORE, reduction="sum").double()
+            tokens += (y != IGNORE).sum()
         model.train(was_training)
-        loss = total.item() / max(tokens, 1)
+        total_, tokens_ = torch.stack([total, tokens]).tolist()
+        loss = total_ / max(tokens_, 1.0)
         return Evaluation(loss, perplexity=_perplexity(loss))
 
     def summary(self, value: float, best: float) -> dict[str, float]:
@@ -301,6 +349,28 @@ class LanguageModelTask(Task):
     def describe(self, value: float, best: float | None = None) -> str:
         text = f"val loss {value:.4f} (perplexity {_perplexity(value):.2f})"
         return text if best is None else f"{text}, best {best:.4f}"
+
+
+def mask_tokens(
+    x: Tensor, fraction: float, mask_id: int, generator: torch.Generator
+) -> tuple[Tensor, Tensor]:
+    """BERT's masking of token windows ``x [B, T]`` (ids below ``mask_id``): in each window
+    ``max(1, round(fraction * T))`` positions drawn at random are chosen; of those, 80% become
+    ``mask_id`` (``[MASK]``), 10% a token drawn uniformly from ``[0, mask_id)`` and 10% stay as they are.
+    Returns the masked inputs and the labels: the original token at a chosen position, :data:`IGNORE`
+    elsewhere. Every draw comes from ``generator`` (on the CPU, ``x``'s device: pass CPU windows), three
+    numbers per position in window order, so a window's masking does not depend on how the windows are
+    batched. Cost: a sort of ``B x T`` numbers and a few elementwise ops."""
+    size, length = x.shape
+    u = torch.rand(size, 3, length, generator=generator, device=x.device)
+    chosen_count = max(1, round(fraction * length))
+    order = u[:, 0].argsort(dim=1)[:, :chosen_count]
+    chosen = torch.zeros(size, length, dtype=torch.bool, device=x.device).scatter_(1, order, True)
+    labels = torch.where(chosen, x, torch.full_like(x, IGNORE))
+    random = (u[:, 2] * mask_id).long().clamp_(max=mask_id - 1)
+    inputs = torch.where(chosen & (u[:, 1] < 0.8), torch.full_like(x, mask_id), x)
+    inputs = torch.where(chosen & (u[:, 1] >= 0.8) & (u[:, 1] < 0.9), random, inputs)
+    return inputs, labels
 
 
 def _logits(out: Any) -> Tensor:

@@ -2,7 +2,9 @@
 
 ``python train.py model=hf_gpt2 dataset=pystdlib scaler=adaptive`` trains ``GPT2LMHeadModel`` from
 ``configs/model/hf/gpt2_tiny.json`` (``model=hf_llama``: ``LlamaForCausalLM`` with grouped-query attention
-from ``llama_tiny.json``). The vocabulary and the context follow the dataset, as for ``model=gpt``. The
+from ``llama_tiny.json``; ``model=hf_bert``: ``BertForMaskedLM`` from ``bert_tiny.json``, trained as a
+masked language model, see :func:`masked_lm`). The vocabulary and the context follow the dataset, as for
+``model=gpt``. The
 adaptive scaler captures these models with ``torch.export`` (torch.fx cannot trace them), so its points
 and per-layer telemetry carry the transformers modules' names (``transformer.h.0.attn.c_attn``).
 
@@ -20,7 +22,7 @@ from torch import nn
 
 from adaloss.errors import ConfigError
 
-__all__ = ["causal_lm", "config_path"]
+__all__ = ["causal_lm", "config_path", "mask_token_id", "masked_lm"]
 
 #: the keys under which transformers configs give the longest sequence a model takes
 _POSITION_KEYS = ("n_positions", "max_position_embeddings")
@@ -53,16 +55,9 @@ def config_path(config: str) -> Path:
     )
 
 
-def causal_lm(
-    config: str,
-    vocab_size: int | None = None,
-    block_size: int | None = None,
-    attn_implementation: str = "sdpa",
-) -> nn.Module:
-    """A transformers causal language model (``AutoModelForCausalLM``) from the config file ``config``
-    (:func:`config_path`; its ``model_type`` picks the class), with ``vocab_size`` tokens and room for
-    ``block_size`` positions, and ``use_cache=False`` (a training forward returns no key/value cache;
-    ``generate(use_cache=True)`` still uses one). ``attn_implementation``: ``eager`` or ``sdpa``."""
+def _config(config: str, vocab_size: int | None, block_size: int | None, attn_implementation: str) -> Any:
+    """The transformers config of the file ``config`` (:func:`config_path`; its ``model_type`` picks the
+    class) with ``vocab_size`` tokens, room for ``block_size`` positions and ``use_cache=False``."""
     transformers = _transformers()
     fields = json.loads(config_path(config).read_text())
     if "model_type" not in fields:
@@ -80,4 +75,42 @@ def causal_lm(
     fields["use_cache"] = False
     cfg = transformers.AutoConfig.for_model(**fields)
     cfg._attn_implementation = attn_implementation
-    return transformers.AutoModelForCausalLM.from_config(cfg)
+    return cfg
+
+
+def causal_lm(
+    config: str,
+    vocab_size: int | None = None,
+    block_size: int | None = None,
+    attn_implementation: str = "sdpa",
+) -> nn.Module:
+    """A transformers causal language model (``AutoModelForCausalLM``) from the config file ``config``
+    (:func:`config_path`; its ``model_type`` picks the class), with ``vocab_size`` tokens and room for
+    ``block_size`` positions, and ``use_cache=False`` (a training forward returns no key/value cache;
+    ``generate(use_cache=True)`` still uses one). ``attn_implementation``: ``eager`` or ``sdpa``."""
+    cfg = _config(config, vocab_size, block_size, attn_implementation)
+    return _transformers().AutoModelForCausalLM.from_config(cfg)
+
+
+def mask_token_id(vocab_size: int) -> int:
+    """The id of ``[MASK]`` for data of ``vocab_size`` tokens: the one after the data's last token (a
+    masked language model's vocabulary is the data's plus this one)."""
+    return int(vocab_size)
+
+
+def masked_lm(
+    config: str,
+    vocab_size: int | None = None,
+    block_size: int | None = None,
+    attn_implementation: str = "sdpa",
+) -> nn.Module:
+    """A transformers masked language model (``AutoModelForMaskedLM``: ``BertForMaskedLM`` for
+    ``bert_tiny.json``) from the config file ``config``, for data of ``vocab_size`` tokens: its vocabulary
+    has one token more, ``[MASK]`` (:func:`mask_token_id`; the config's ``mask_token_id`` says which),
+    and room for ``block_size`` positions. The language-model task masks the inputs and counts the loss
+    on the masked positions only (``task.masking``, which the config's ``model.masking`` sets)."""
+    vocab = None if vocab_size is None else int(vocab_size) + 1
+    cfg = _config(config, vocab, block_size, attn_implementation)
+    if vocab_size is not None:
+        cfg.mask_token_id = mask_token_id(vocab_size)
+    return _transformers().AutoModelForMaskedLM.from_config(cfg)
