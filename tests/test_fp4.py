@@ -390,8 +390,9 @@ def test_torchao_emulation_agrees_on_mxfp4_and_differs_on_nvfp4_where_documented
 
 
 def test_fp4_lab_cells_cross_formats_rounding_hadamard_and_scalers() -> None:
-    from adaloss.labs.fp8.fp4 import FP4_SMOKE_CELLS, fp4_cells
+    from adaloss.labs.fp8.fp4 import FP4_MODELS, FP4_SMOKE_CELLS, fp4_cells
 
+    assert FP4_MODELS == ("gpt", "resnet20")
     cells = fp4_cells()
     names = [c.name for c in cells]
     assert len(names) == len(set(names)) == 1 + 2 * 3 + 2 * 3 * 2 * 2
@@ -415,6 +416,31 @@ def test_fp4_lab_smoke_runs_and_tabulates(tmp_path) -> None:
     ).stdout  # fmt: skip
     table = (tmp_path / "fp4_lab.md").read_text()
     assert "| NVFP4/adaptive/nearest/plain | 2 |" in table and table.strip() in out
+    # one table per model: the GPT's, then ResNet-20's (its FP4 cells are its convolutions)
+    gpt, resnet = table.split("## ResNet-20, digits", 1)
+    assert "## tiny GPT" in gpt and "| MXFP4/dynamic/sr/rht | 2 |" in gpt
+    assert "| MXFP4/dynamic/sr/rht | 2 |" in resnet and "test accuracy" in resnet
+
+
+@pytest.mark.parametrize("model", ["gpt", "resnet20"])
+def test_the_fp4_docs_page_shows_each_models_committed_table(model: str) -> None:
+    from pathlib import Path
+
+    from adaloss.labs.fp8.cells import settings_digest
+    from adaloss.labs.fp8.fp4 import fp4_cells, fp4_table
+    from adaloss.labs.fp8.runs import read_rows
+
+    root = Path(__file__).resolve().parents[1]
+    rows = read_rows(root / "results" / "fp4" / f"runs_{model}.jsonl", settings_digest(model, False))
+    marker = "table" if model == "gpt" else f"{model} table"
+    page = (root / "docs" / "fp4.md").read_text(encoding="utf-8")
+    region = page.split(f"<!-- fp4-lab: {marker} -->\n", 1)[1].split(f"<!-- end fp4-lab: {marker} -->", 1)[0]
+    assert region == fp4_table(rows, model, fp4_cells()) + "\n", (
+        f"docs/fp4.md's {model} table is stale: paste it from results/fp4/fp4_lab.md "
+        "(python scripts/fp4_lab.py --report-only)"
+    )
+    heading = "## tiny GPT" if model == "gpt" else "## ResNet-20"
+    assert heading in (root / "results" / "fp4" / "fp4_lab.md").read_text(encoding="utf-8")
 
 
 def test_train_records_fp4_block_telemetry_in_metrics_and_telemetry_log(make_full_cfg, tmp_path) -> None:

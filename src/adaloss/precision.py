@@ -10,16 +10,17 @@ fp16        ``torch.autocast(<device>, float16)``, FP32     :class:`EmulatedAuto
 bf16        ``torch.autocast(<device>, bfloat16)``          emulation rounding to BF16
 fp8_e5m2    (none: no FP8 autocast exists)                  FP16 weights/activations, FP8 e5m2 gradients
 fp8_e4m3    (none: no FP8 autocast exists)                  FP16 weights/activations, FP8 e4m3 gradients
-nvfp4       (none: no FP4 autocast exists)                  BF16 emulation; linear layers' three GEMMs with
-                                                            NVFP4 operands (:mod:`adaloss.numerics.fp4_gemm`)
+nvfp4       (none: no FP4 autocast exists)                  BF16 emulation; linear and 2-D conv layers'
+                                                            three GEMMs with NVFP4 operands
+                                                            (:mod:`adaloss.numerics.fp4_gemm`)
 mxfp4       (none)                                          the same with MXFP4 operands
 =========== ============================================== =================================================
 
 The FP4 precisions' options (``precision.<option>``, :class:`adaloss.numerics.fp4_gemm.FP4Recipe`):
 ``stochastic_rounding`` (gradient operands), ``hadamard`` (the 16x16 random Hadamard transform on the wgrad
 operands), ``rounding`` (MXFP4's E8M0 rule, ``floor`` or ``rceil``), ``operands`` (``all`` or ``grad``),
-``keep`` / ``keep_first`` / ``keep_last`` (the linear layers kept in BF16) and ``seed``; any of them set for
-another precision is an error.
+``keep`` / ``keep_first`` / ``keep_last`` (the linear and conv layers kept in BF16) and ``seed``; any of them
+set for another precision is an error.
 
 ``precision.grad_scaling`` (FP8 precisions only; default ``none``): how each stored gradient is scaled into
 the FP8 range before it is rounded (:mod:`adaloss.numerics.quantizers`): ``none`` (the loss scale only),
@@ -55,7 +56,7 @@ from adaloss.numerics.quantizers import GlobalScaling, GradQuantizer, recipe_fro
 __all__ = ["Precision", "PRECISION_NAMES", "GEMM_MODULES"]
 
 PRECISION_NAMES = ("fp32", "fp16", "bf16", "fp8_e5m2", "fp8_e4m3", "nvfp4", "mxfp4")
-#: The FP4 precisions: BF16 emulation with FP4 GEMM operands in the linear layers (their base format is BF16).
+#: The FP4 precisions: BF16 emulation with FP4 GEMM operands in linear and conv layers (base format BF16).
 FP4_PRECISIONS = ("nvfp4", "mxfp4")
 #: The precisions whose gradients are FP8 (FP16 weights and activations): the ones with gradient quantizers.
 FP8_PRECISIONS = ("fp8_e5m2", "fp8_e4m3")
@@ -214,10 +215,8 @@ class Precision:
         convolutions prefer; tensors of other ranks (Conv1d, Conv3d weights) keep theirs, as
         ``channels_last`` exists for 4-D tensors only.
         """
-        if self.fp4 is not None:  # linear layers, also as the adaptive scaler's AdaptiveGEMM wraps them
-            linear = [n for n, m in model.named_modules()
-                      if isinstance(m, nn.Linear) or getattr(m, "layer_type", None) == "Linear"]  # fmt: skip
-            self.fp4.bind(linear)
+        if self.fp4 is not None:  # FP4 layers, also as the adaptive scaler's AdaptiveGEMM wraps them
+            self.fp4.bind([n for n, m in model.named_modules() if _fp4_capable(m)])
         for name, module in model.named_modules():
             if isinstance(module, GEMM_MODULES):
                 self._hooks.append(module.register_forward_pre_hook(_push_name(name)))
@@ -252,6 +251,13 @@ class Precision:
     def __repr__(self) -> str:
         mode = "autocast" if self.uses_autocast else ("emulated" if self.emulated else "native")
         return f"Precision({self.name}, {self.device}, {mode})"
+
+
+def _fp4_capable(module: nn.Module) -> bool:
+    """Whether FP4 can run ``module``'s GEMMs (:mod:`adaloss.numerics.fp4_gemm`): an ``nn.Linear`` or an
+    ``nn.Conv2d`` with ``groups=1``, also behind the adaptive scaler's AdaptiveGEMM wrapper."""
+    layer = getattr(module, "layer", module) if hasattr(module, "layer_type") else module
+    return isinstance(layer, nn.Linear) or (isinstance(layer, nn.Conv2d) and layer.groups == 1)
 
 
 def _fp4_gemm(name: str, options: dict[str, Any], device: torch.device) -> FP4Gemm | None:

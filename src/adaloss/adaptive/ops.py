@@ -61,6 +61,7 @@ from adaloss.adaptive.state import (
 )
 from adaloss.numerics.emulation import active_emulation, is_low_precision, mark_low_precision
 from adaloss.numerics.formats import round_to_format
+from adaloss.numerics.fp4_gemm import conv_geometry
 from adaloss.numerics.quantizers import quantize_grad
 
 __all__ = [
@@ -240,11 +241,13 @@ class ScaledGEMM(torch.autograd.Function):
         if emu is not None and emu.grad_quantizer is not None and record:
             sites = (emu.grad_site(weight), emu.grad_site(bias) if bias is not None else None)
         ctx.sites = sites
-        ctx.fp4 = emu.fp4 if emu is not None and spec["kind"] == "linear" else None
-        ctx.fp4 = ctx.fp4 if ctx.fp4 is not None and ctx.fp4.applies(point.name) else None
+        ctx.fp4, ctx.fp4_geometry = _fp4_of(emu, point, spec, x, weight)
         if ctx.fp4 is not None:
             ctx.fp4_probe = emu.probe_for(point.name)
-            y = ctx.fp4.forward(x, weight, bias)
+            if ctx.fp4_geometry is None:
+                y = ctx.fp4.forward(x, weight, bias)
+            else:
+                y = ctx.fp4.conv_forward(x, weight, bias, ctx.fp4_geometry)
         elif spec["kind"] == "linear":
             y = F.linear(x, weight, bias)
         elif spec["kind"] == "conv":
@@ -305,14 +308,7 @@ class ScaledGEMM(torch.autograd.Function):
             if grad_fmt is not None and ctx.sites[0] is None:
                 scaled = round_to_format(scaled, grad_fmt)
         if ctx.fp4 is not None:  # FP4 operands (adaloss.numerics.fp4_gemm); the weight gradient in FP32
-            d2 = delta.reshape(-1, delta.shape[-1])
-            if need_x:
-                grad_x = ctx.fp4.dgrad(scaled.reshape(d2.shape), w, ctx.fp4_probe).reshape(
-                    *delta.shape[:-1], -1
-                )
-            if need_w:
-                grad_w = ctx.fp4.wgrad(d2, x.reshape(-1, x.shape[-1]), ctx.fp4_probe)
-                grad_b = d2.sum(0) if ctx.has_bias else None
+            grad_x, grad_w, grad_b = _fp4_gradients(ctx, delta, scaled, x, w, need_x, need_w)
         elif spec["kind"] == "linear":
             if need_x:
                 grad_x = scaled.matmul(w)
@@ -337,6 +333,44 @@ class ScaledGEMM(torch.autograd.Function):
             if grad_b is not None:
                 grad_b = _to_root(grad_b, grad_fmt, ctx.w_dtype, to_root, ctx.sites[1])
         return grad_x, grad_w, grad_b, None, None, None, None
+
+
+def _fp4_of(emu: Any, point: GemmPoint, spec: dict, x: torch.Tensor, w: torch.Tensor) -> tuple[Any, Any]:
+    """The FP4 GEMMs (:class:`~adaloss.numerics.fp4_gemm.FP4Gemm`) that run this layer and, for a conv, its
+    im2col geometry: ``(None, None)`` where the layer stays in the base format (not an FP4 layer, or a
+    conv other than a batched 2-D one with ``groups=1``)."""
+    fp4 = emu.fp4 if emu is not None else None
+    if fp4 is None or not fp4.applies(point.name):
+        return None, None
+    if spec["kind"] == "linear":
+        return fp4, None
+    if spec["kind"] != "conv" or spec["dims"] != 2 or spec["groups"] != 1 or x.dim() != 4:
+        return None, None
+    return fp4, conv_geometry(w, spec["stride"], spec["padding"], spec["dilation"])
+
+
+def _fp4_gradients(
+    ctx: Any, delta: torch.Tensor, scaled: torch.Tensor, x: torch.Tensor, w: torch.Tensor, need_x, need_w
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Input, weight and bias gradients of an FP4 layer: dgrad of the beta-scaled ``scaled``, wgrad of
+    ``delta`` (in that order, as :class:`~adaloss.numerics.fp4_gemm.FP4Linear` draws its stochastic
+    rounding), in FP32; a conv's through im2col (:meth:`~adaloss.numerics.fp4_gemm.FP4Gemm.conv_dgrad`)."""
+    fp4, geometry, probe = ctx.fp4, ctx.fp4_geometry, ctx.fp4_probe
+    grad_x = grad_w = grad_b = None
+    if geometry is not None:
+        if need_x:
+            grad_x = fp4.conv_dgrad(scaled, w, x.shape, geometry, probe)
+        if need_w:
+            grad_w = fp4.conv_wgrad(delta, x, geometry, probe)
+            grad_b = delta.sum((0, 2, 3)) if ctx.has_bias else None
+        return grad_x, grad_w, grad_b
+    d2 = delta.reshape(-1, delta.shape[-1])
+    if need_x:
+        grad_x = fp4.dgrad(scaled.reshape(d2.shape), w, probe).reshape(*delta.shape[:-1], -1)
+    if need_w:
+        grad_w = fp4.wgrad(d2, x.reshape(-1, x.shape[-1]), probe)
+        grad_b = d2.sum(0) if ctx.has_bias else None
+    return grad_x, grad_w, grad_b
 
 
 def _point_beta(

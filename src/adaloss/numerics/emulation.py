@@ -462,9 +462,10 @@ class EmulatedAutocast(TorchFunctionMode):
             with FP16 activations).
         grad_quantizer (GradQuantizer, optional): scales every gradient the emulation stores in ``grad_fmt``
             (``precision.grad_scaling``); None or the ``none`` recipe rounds them as they are.
-        fp4 (FP4Gemm, optional): runs the linear layers it applies to with FP4 operands in all three GEMMs
-            (:class:`adaloss.numerics.fp4_gemm.FP4Linear`; ``precision=nvfp4`` or ``mxfp4``); their probes
-            count the FP4-stored output gradient instead of its rounding to ``grad_fmt``.
+        fp4 (FP4Gemm, optional): runs the linear and ``groups=1`` 2-D conv layers it applies to with FP4
+            operands in all three GEMMs (:class:`adaloss.numerics.fp4_gemm.FP4Linear`, ``FP4Conv2d``;
+            ``precision=nvfp4`` or ``mxfp4``); their probes count the FP4-stored output gradient instead of
+            its rounding to ``grad_fmt``.
     """
 
     def __init__(
@@ -551,8 +552,10 @@ class EmulatedAutocast(TorchFunctionMode):
             if fmt is not None:
                 args = tuple(self._cast_input(a) for a in args)
                 kwargs = {k: self._cast_input(v) for k, v in kwargs.items()}
-            if self.fp4 is not None and _op_name(func) == "linear" and self.fp4.applies(LAYER_NAMES.current):
-                return self._fp4_linear(args, kwargs, probe)
+            if self.fp4 is not None and self.fp4.applies(LAYER_NAMES.current):
+                out = self._fp4_gemm(_op_name(func), args, kwargs, probe)
+                if out is not None:
+                    return out
             out = func(*args, **kwargs)
             if isinstance(out, torch.Tensor) and out.is_floating_point():
                 if fmt is None and probe is None:
@@ -606,15 +609,27 @@ class EmulatedAutocast(TorchFunctionMode):
             )
         return out
 
-    def _fp4_linear(self, args: tuple, kwargs: dict, probe: Probe | None) -> torch.Tensor:
-        """``F.linear(*args, **kwargs)`` through :class:`~adaloss.numerics.fp4_gemm.FP4Linear`, its output
-        stored in the base format (its gradient too, before FP4Linear quantizes it; the probe is FP4's)."""
-        from adaloss.numerics.fp4_gemm import FP4Linear
+    def _fp4_gemm(self, op: str, args: tuple, kwargs: dict, probe: Probe | None) -> torch.Tensor | None:
+        """``F.linear`` through :class:`~adaloss.numerics.fp4_gemm.FP4Linear`, or a batched ``F.conv2d``
+        with ``groups=1`` through :class:`~adaloss.numerics.fp4_gemm.FP4Conv2d`, the output stored in the
+        base format (its gradient too, before FP4 quantizes it; the probe is FP4's); None for any other
+        GEMM (it stays in the base format)."""
+        from adaloss.numerics.fp4_gemm import FP4Conv2d, FP4Linear, conv_geometry
 
-        names = ("input", "weight", "bias")
-        x, w, b = (*args, *(kwargs.get(n) for n in names[len(args) :]))
-        out = FP4Linear.apply(x, w, b, self.fp4, probe)
-        return round_value(out, self.fmt, None, self.grad_fmt, block_dim=-1)
+        names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+        if op == "linear":
+            x, w, b = (*args, *(kwargs.get(n) for n in names[len(args) : 3]))
+            out = FP4Linear.apply(x, w, b, self.fp4, probe)
+            return round_value(out, self.fmt, None, self.grad_fmt, block_dim=-1)
+        if op != "conv2d":
+            return None
+        given = {**dict(zip(names, args, strict=False)), **kwargs}
+        x, w = given["input"], given["weight"]
+        geometry = conv_geometry(w, given.get("stride", 1), given.get("padding", 0), given.get("dilation", 1))
+        if geometry is None or given.get("groups", 1) != 1 or x.dim() != 4:
+            return None
+        out = FP4Conv2d.apply(x, w, given.get("bias"), self.fp4, geometry, probe)
+        return round_value(out, self.fmt, None, self.grad_fmt, block_dim=1)
 
     def _cast_input(self, a: Any) -> Any:
         if isinstance(a, torch.Tensor):

@@ -1,15 +1,17 @@
 """The lab's FP4 cells (issue 37): BF16, FP8 E4M3 ``tensor_current``, MXFP8 (E4M3 ``mx_block``), NVFP4 and
 MXFP4, crossed with rounding (nearest, stochastic), the Hadamard transform (on, off) and the loss scalers
-(none, dynamic, adaptive), on the tiny GPT; gaps to BF16 paired by seed with 95% t-intervals.
+(none, dynamic, adaptive), on the tiny GPT and ResNet-20; gaps to BF16 paired by seed with 95% t-intervals.
 
 The FP8 cells store gradients only in FP8 (FP16 weights and activations, the FP8 lab's view); the FP4 cells
-run every FP4 linear layer's three GEMMs with FP4 operands (:mod:`adaloss.numerics.fp4_gemm`). Every
-transformer block is FP4 (``keep_first=0``, ``keep_last=0``; the head and the embeddings stay BF16 by the
-default ``keep`` patterns): on a 4-block model, keeping an edge block would keep half of it. ResNet-20 has
-no FP4 cells: convolutions are not FP4 GEMMs here (only ``nn.Linear`` is), so its FP4 cells would be BF16.
+run every FP4 layer's three GEMMs with FP4 operands (:mod:`adaloss.numerics.fp4_gemm`): the GPT's linear
+layers, ResNet-20's convolutions (as GEMMs over their im2col columns). Every block is FP4 (``keep_first=0``,
+``keep_last=0``): on a 4-block GPT, keeping an edge block would keep half of it. The default ``keep``
+patterns keep the GPT's head and embeddings and ResNet-20's ``fc`` head in BF16; ResNet-20's stem conv
+(``conv1``, outside every block and matching no pattern) is FP4, so all 19 of its convolutions are.
 
 The runs reuse the FP8 lab's machinery (:func:`adaloss.labs.fp8.runs.run_all`: resumable runs files, one
-line per finished run); :func:`fp4_table` is the table, each cell's gap to BF16 with its interval.
+line per finished run); :func:`fp4_table` is a model's table, each cell's gap to BF16 with its interval, and
+:func:`fp4_report` the tables of every model with runs.
 """
 
 from __future__ import annotations
@@ -17,12 +19,12 @@ from __future__ import annotations
 import math
 import statistics
 
-from adaloss.labs.fp8.cells import Cell
+from adaloss.labs.fp8.cells import MODELS, Cell
 from adaloss.labs.fp8.stats import paired_differences, t_interval
 
-__all__ = ["FP4_MODELS", "FP4_SMOKE_CELLS", "fp4_cells", "fp4_table"]
+__all__ = ["FP4_MODELS", "FP4_SMOKE_CELLS", "fp4_cells", "fp4_report", "fp4_table"]
 
-FP4_MODELS = ("gpt",)
+FP4_MODELS = ("gpt", "resnet20")
 SCALERS = ("none", "dynamic", "adaptive")
 #: Every transformer block in FP4 (module docstring).
 _FP4_LAYERS = ("precision.keep_first=0", "precision.keep_last=0")
@@ -74,3 +76,16 @@ def fp4_table(rows: list[dict], model: str, cells: list[Cell]) -> str:
             f"{'' if baseline else separated} | {'' if math.isnan(ratio) else f'{ratio:.1f}'} |"
         )
     return "\n".join(lines)
+
+
+def fp4_report(rows: dict[str, list[dict]], cells: list[Cell]) -> str:
+    """One section per model with runs (``rows``: each model's runs), its heading naming the task and the
+    metric, then :func:`fp4_table`."""
+    sections = []
+    for model, mine in rows.items():
+        if mine:
+            spec = MODELS[model]
+            better = "higher" if spec.higher_is_better else "lower"
+            heading = f"## {spec.label}: {spec.unit}, {better} is better"
+            sections.append(f"{heading}\n\n{fp4_table(mine, model, cells)}")
+    return "\n\n".join(sections)
