@@ -911,3 +911,30 @@ def test_an_attached_forward_pass_costs_no_more_emulation_round_trips_than_the_p
             scaler.scale(loss).backward()
             counts[name] = len(calls)
     assert counts["adaptive"] <= counts["dynamic"], counts
+
+
+@pytest.mark.parametrize("attached_in", ["train", "eval"])
+def test_eval_and_train_reach_the_batch_norms_of_an_attached_model(attached_in: str) -> None:
+    """``model.eval()`` on an attached ResNet evaluates with the running statistics, and leaves them as they
+    are, as the plain model does; ``model.train()`` goes back to batch statistics. Whichever mode the model
+    was attached in. (The batch norms are wrapped by ``UnscaledParams``, whose wrapped module is not a
+    submodule: without its ``train`` override, an attached model evaluated on batch statistics and moved
+    its running statistics in every evaluation.)"""
+    torch.manual_seed(0)
+    plain = _cifar("resnet20").double()
+    for m in plain.modules():  # running statistics far from any batch's
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-1, 1)
+            m.running_var.uniform_(0.5, 2)
+    getattr(plain, attached_in)()
+    model = AdaptiveLossScaler().attach(copy.deepcopy(plain))
+    x = torch.randn(4, 3, 8, 8, dtype=torch.float64)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    plain.eval(), model.eval()
+    assert torch.equal(model(x), plain(x))
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    plain.train(), model.train()
+    assert torch.equal(model(x), plain(x))
+    theirs = plain.state_dict()
+    assert model.state_dict().keys() == theirs.keys()
+    assert all(torch.equal(v, theirs[k]) for k, v in model.state_dict().items())

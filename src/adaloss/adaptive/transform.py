@@ -262,6 +262,7 @@ class UnscaledParams(nn.Module):
             self.add_module(name, child)
         object.__setattr__(self, "module", module)  # not a submodule: its tensors are registered above
         object.__setattr__(self, "state", state)
+        self.training = module.training
         self.shared = shared
         # per shared parameter: the path of the module that owns it ("" for its own) and its name there
         self.owner_paths = [name.rpartition(".")[0] for name in shared]
@@ -285,6 +286,12 @@ class UnscaledParams(nn.Module):
         finally:
             for owner, table in zip(owners, saved, strict=True):
                 object.__setattr__(owner, "_parameters", table)
+
+    def train(self, mode: bool = True) -> UnscaledParams:
+        """``nn.Module.train``, the wrapped module's own mode included: it is not a submodule, so without
+        this ``model.eval()`` would leave a wrapped batch norm on batch statistics."""
+        self.module.training = mode
+        return super().train(mode)
 
     def extra_repr(self) -> str:
         return f"{type(self.module).__name__}, {', '.join(self.shared)} unscaled per call"
