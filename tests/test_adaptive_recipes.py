@@ -167,3 +167,42 @@ def test_a_scaler_is_not_copied_in_the_middle_of_an_iteration() -> None:
     scaler.scale(nn.functional.cross_entropy(model(x), y)).backward()
     with pytest.raises(RuntimeError, match="between iterations only"):
         copy.deepcopy(scaler)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+@pytest.mark.parametrize("root", ["fixed", "adaptive"])
+def test_a_copy_goes_on_training_the_originals_model(how: str, root: str) -> None:
+    """GradScaler's habit (PyTorch's test_grad_scaling_autocast): copy the scaler after every iteration and
+    train the same model on with the copy. The weights and the scaler's state end as the uninterrupted
+    run's, bitwise; the scaler a copy took the model from is refused with the reason."""
+    batches = _batches(6)
+    whole = AdaptiveLossScaler(update_every=2, init_scale=LOW_ROOT, root=root)
+    whole_model = whole.attach(_model())
+    _train(whole, whole_model, batches)
+    scaler = first = AdaptiveLossScaler(update_every=2, init_scale=LOW_ROOT, root=root)
+    model = scaler.attach(_model())
+    for batch in batches:
+        _train(scaler, model, [batch])
+        scaler = copy.deepcopy(scaler) if how == "deepcopy" else pickle.loads(pickle.dumps(scaler))
+    ours, theirs = model.state_dict(), whole_model.state_dict()
+    assert list(ours) == list(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert scaler.state_dict() == whole.state_dict()
+    x, y = batches[0]
+    with pytest.raises(RuntimeError, match="driven by a copy of it now"):
+        first.scale(nn.functional.cross_entropy(model(x), y))
+
+
+def test_a_scaler_not_bound_to_the_model_is_named_in_the_error() -> None:
+    """A backward pass that reaches an attached model unscaled says why: no scale() at all, or the scale()
+    of a scaler bound elsewhere (a copy attached to another model, a scaler attached to none)."""
+    scaler = AdaptiveLossScaler()
+    model = scaler.attach(_model())
+    elsewhere = copy.deepcopy(scaler)
+    elsewhere.attach(_model())
+    x, y = _batches(1)[0]
+    for wrong in (elsewhere, AdaptiveLossScaler()):
+        with pytest.raises(RuntimeError, match="not bound to this model"):
+            wrong.scale(nn.functional.cross_entropy(model(x), y)).backward()
+    with pytest.raises(RuntimeError, match=r"call scaler.scale\(loss\).backward\(\) rather"):
+        nn.functional.cross_entropy(model(x), y).backward()
+    scaler.scale(nn.functional.cross_entropy(model(x), y)).backward()  # the right one still works

@@ -13,6 +13,7 @@ add a :class:`ScalerCase`.
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -184,7 +185,9 @@ def _step_unless_skipped(optimizer, scaler, i: int) -> None:
 # ---------------------------------------------------------------------------------------------- the runs
 
 
-def run_plain(data, model, optimizer, scaler, skip_iter, try_scaling_api, autocast=False):
+def run_plain(data, model, optimizer, scaler, skip_iter, try_scaling_api, autocast=False, try_pickle=False):
+    """test_grad_scaling_autocast's loop; ``try_pickle``: the scaler is pickled and unpickled after each
+    iteration, and the copy drives the next one (the same model, the same optimizer)."""
     for i, (x, y) in enumerate(data):
         optimizer.zero_grad()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
@@ -194,6 +197,8 @@ def run_plain(data, model, optimizer, scaler, skip_iter, try_scaling_api, autoca
             _poison(model, scaler, i)
             scaler.step(optimizer)
             scaler.update()
+            if try_pickle:
+                scaler = pickle.loads(pickle.dumps(scaler))
         else:
             loss.backward()
             _step_unless_skipped(optimizer, scaler, i)
@@ -319,16 +324,18 @@ def test_grad_scaling_autocast_with_each_optimizer(
     kind: str, twin: bool, optimizer_ctor, optimizer_kwargs
 ) -> None:
     """test_grad_scaling_autocast and its optimizer variants: CPU autocast (bfloat16), FP32 master weights;
-    against the control run, and (``twin``) against GradScaler bit for bit."""
+    against the control run, and (``twin``) against GradScaler bit for bit. As PyTorch's test, a second
+    round pickles the scaler after every iteration and trains on with the copy."""
+    for try_pickle in (False, True):
 
-    def run(*args):
-        return run_plain(*args, autocast=True)
+        def run(*args, try_pickle=try_pickle):
+            return run_plain(*args, autocast=True, try_pickle=try_pickle)
 
-    options = {"optimizer_ctor": optimizer_ctor, "optimizer_kwargs": optimizer_kwargs}
-    if twin:
-        run_against_grad_scaler(kind, run, **options)
-    else:
-        run_scaling_case(kind, run, 3, 1, atol=1e-3, **options)
+        options = {"optimizer_ctor": optimizer_ctor, "optimizer_kwargs": optimizer_kwargs}
+        if twin:
+            run_against_grad_scaler(kind, run, **options)
+        else:
+            run_scaling_case(kind, run, 3, 1, atol=1e-3, **options)
 
 
 @pytest.mark.parametrize("kind", KINDS)

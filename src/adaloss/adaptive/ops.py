@@ -98,10 +98,7 @@ def _pass_kind(ctx: Any, where: str) -> str:
         if torch.is_grad_enabled():
             state.graph_built = True
         if not state.armed:
-            raise RuntimeError(
-                f"adaptive loss scaling: no scale reached {where}; call scaler.scale(loss).backward() rather "
-                "than loss.backward() on a model returned by scaler.attach()"
-            )
+            raise RuntimeError(state.unarmed_message(where))
         if state.plain:
             return "plain"
     return ctx.kind

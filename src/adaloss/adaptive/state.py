@@ -189,6 +189,7 @@ class GradSignature:
         with torch._C.DisableTorchFunction():
             sig = (tuple(p.requires_grad for p in self.params), tuple(t.requires_grad for t in inputs))
         state, reach = self.state, self.state.reach
+        state.forward_at = AdaptiveState.scale_calls
         if self.params and state.buffers.device != self.params[0].device:  # the model moved
             state.allocate(self.params[0].device)
         if reach.latest != sig:
@@ -219,6 +220,30 @@ class AdaptiveState:
     else None) and ``fresh`` (gradients a GEMM point made for a branch alone, eager passes only).
     """
 
+    #: ``scale()`` calls of this process's adaptive scalers, attached or not (a clock for ``forward_at``)
+    scale_calls = 0
+
+    @classmethod
+    def note_scale(cls) -> None:
+        """An adaptive scaler's ``scale()`` ran (bound to a model or not). Host-side."""
+        cls.scale_calls += 1
+
+    def unarmed_message(self, where: str) -> str:
+        """Why a backward pass reached ``where`` without a scale: ``loss.backward()`` without
+        ``scaler.scale`` (no ``scale()`` since this model's forward pass), or the ``scale()`` of a scaler not
+        bound to this model (a copy attached to another model, a scaler attached to none). Host-side."""
+        if self.forward_at is None or self.forward_at == AdaptiveState.scale_calls:
+            return (
+                f"adaptive loss scaling: no scale reached {where}; call scaler.scale(loss).backward() rather "
+                "than loss.backward() on a model returned by scaler.attach()"
+            )
+        return (
+            f"adaptive loss scaling: no scale reached {where}: scale() was called on an AdaptiveLossScaler "
+            "that is not bound to this model (attached to another model, or to none); call scale() on the "
+            "scaler whose attach() returned this model (a copy of it, made with copy.deepcopy or pickle, "
+            "drives it too if never attached elsewhere)"
+        )
+
     def __init__(self, rule: ScaleRule) -> None:
         self.rule = rule
         self.points = Points()
@@ -227,6 +252,7 @@ class AdaptiveState:
         self.plain = False
         self.reach = Reach()
         self.armed = False
+        self.forward_at: int | None = None  # scale_calls at the last forward pass with grad (eager)
         self.graph_built = False
         self.reduce_fn: Any = None
         self.fresh: dict[tuple[int, int], torch.Tensor] = {}
@@ -285,6 +311,7 @@ class AdaptiveState:
         recompute pass, NaN into the scales it is about to compute (see :class:`ScaleBuffers`). A few
         device ops, no sync; ``root`` is the scaler's 0-dim scale on the buffers' device."""
         self.armed, self.plain = True, plain
+        AdaptiveState.note_scale()
         if plain:
             return
         buf = self.buffers

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import uuid
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -32,6 +34,10 @@ _BINS, _BIN_OFFSET = 300, 160
 ROOTS = ("fixed", "dynamic", "adaptive")
 #: What a checkpoint holds of the scale buffers (``_extra_state``).
 _SCALE_KEYS = ("layers", "betas", "branches", "branch_alphas", "branch_factors", "slot_alphas")
+#: The models attached in this process: their states by token, and what a copy needs to take one over
+#: (``_take_over``): a copy carries its original's token and generation (``__getstate__``).
+_STATES: weakref.WeakValueDictionary[str, AdaptiveState] = weakref.WeakValueDictionary()
+_BINDINGS: weakref.WeakKeyDictionary[AdaptiveState, _Binding] = weakref.WeakKeyDictionary()
 
 
 class AdaptiveLossScaler(LossScaler):
@@ -276,29 +282,68 @@ class AdaptiveLossScaler(LossScaler):
         # root="adaptive": whether this iteration measures the loss gradient, what it measured (binade
         # counts and max magnitude, on the device) and the alpha_{N+1} it was measured at
         self._measure_root, self._root_stats, self._root_at = False, None, self._loss_scale
+        # copies: the (token, generation) of the model this scaler drives, or of its original's model while
+        # a copy has none of its own (see _take_over)
+        self._binding: tuple[str, int] | None = None
 
     # ------------------------------------------------------------------ copies
 
     def __getstate__(self) -> dict[str, Any]:
         """What ``copy.deepcopy`` and ``pickle`` keep: the options and ``state_dict()`` (the scale, the
-        counters, every layer's beta and branch factors), not the binding to a model. One host sync per
-        per-layer device tensor, as ``state_dict``.
+        counters, every layer's beta and branch factors) and which scaler it was copied from. One host sync
+        per per-layer device tensor, as ``state_dict``.
 
         The copy is a scaler of its own: ``attach`` it to a model with the same layers (a copy of the
         model before it was attached, say) and it continues with the same scales, as a resumed run does;
-        nothing done to the copy reaches the original's model. Like GradScaler's, take a copy between
-        iterations (after ``update()``), not between ``scale()`` and ``update()``."""
+        nothing done to the copy reaches the original's model. Or, as with GradScaler (PyTorch's
+        ``test_grad_scaling_autocast`` pickles its scaler after every iteration), go on training the
+        original's model with the copy, unattached: its first ``scale()`` takes that model over (in the
+        same process), loading the copy's state into it, and the original is refused from then on. Like
+        GradScaler's, take a copy between iterations (after ``update()``), not between ``scale()`` and
+        ``update()``."""
         if self._scaled_this_iteration:
             raise RuntimeError(
                 "an AdaptiveLossScaler can be copied or pickled between iterations only: call update() first"
             )
-        return {"options": dict(self._options), "state": self.state_dict(), "scaled": self._has_scaled}
+        return {
+            "options": dict(self._options),
+            "state": self.state_dict(),
+            "scaled": self._has_scaled,
+            "binding": self._binding,
+        }
 
     def __setstate__(self, saved: dict[str, Any]) -> None:
         self.__init__(**saved["options"])
         if saved["state"]:
             self.load_state_dict(saved["state"])
         self._has_scaled = saved["scaled"]
+        self._binding = saved.get("binding")
+
+    def _take_over(self) -> None:
+        """A copy never attached, at its first ``scale()``: drive its original's model if that model lives in
+        this process and no other copy of the same original took it over (the binding's generation moved
+        on); the copy's state (what the original had when copied) goes into that model's scale buffers, as
+        ``attach`` restores a loaded state. Host-side, a few device copies; no sync."""
+        token, generation = self._binding
+        self._binding = None
+        state = _STATES.get(token)
+        binding = _BINDINGS.get(state) if state is not None else None
+        model = binding.model() if binding is not None else None
+        if model is None or binding.generation != generation:
+            return
+        binding.generation += 1
+        self.state, self._attached, self._binding = state, model, (token, binding.generation)
+        if (root_hook := binding.root_hook()) is not None:
+            root_hook.scaler = self
+        if self._pending is not None:
+            self._restore(self._pending)
+            self._pending = None
+        self._plan()
+
+    def _bound(self) -> bool:
+        """Whether this attached scaler still drives its model (no copy took it over). Host-side."""
+        token, generation = self._binding
+        return _BINDINGS[self.state].generation == generation
 
     # ------------------------------------------------------------------ model
 
@@ -339,12 +384,39 @@ class AdaptiveLossScaler(LossScaler):
         # Which tensors need gradients, per forward pass: lets reuse steps skip points no gradient reaches
         # (frozen layers) instead of recomputing every step (see AdaptiveState.start_backward).
         gm.register_forward_pre_hook(GradSignature(state, list(gm.parameters())), with_kwargs=True)
-        if self.root == "adaptive":  # the loss gradient's statistics, at the model's outputs
-            gm.register_forward_hook(_LossGradientHook(self))
+        root_hook = _LossGradientHook(self) if self.root == "adaptive" else None
+        if root_hook is not None:  # the loss gradient's statistics, at the model's outputs
+            gm.register_forward_hook(root_hook)
         self._attached = gm
+        token = uuid.uuid4().hex  # a copy attached to a model of its own takes no other over
+        _STATES[token], _BINDINGS[state] = state, _Binding(gm, root_hook)
+        self._binding = (token, 0)
         for layer in recurrent_layers(gm, state):  # never silently: name the weights left without a point
             warnings.warn(layer.warning(), UserWarning, stacklevel=2)
         return gm
+
+    def attach_within(
+        self, model: nn.Module, path: str, *example_inputs: Any, **example_kwargs: Any
+    ) -> nn.Module:
+        """``attach(model, ...)`` for a model that holds the user's network at submodule ``path`` (a
+        ``LightningModule`` with it in ``self.net``, say): the points under ``path`` are named relative to it
+        (``0`` rather than ``net.0``), as ``attach`` on the network itself names them, so scaler states,
+        ``layer_scales()`` and telemetry carry over between the two. A state loaded before is restored
+        under those names. ``path=""``: ``attach``. No host-device sync."""
+        pending, self._pending = self._pending, None
+        attached = self.attach(model, *example_inputs, **example_kwargs)
+        if path and self.state is not None:
+            cut = f"{path}."
+            for point in (*self.state.gemms, *self.state.branches, *self.state.points.unscales):
+                if point.name.startswith(cut):
+                    point.name = point.name[len(cut) :]
+        if pending is not None:
+            if self.state is None:
+                self._pending = pending
+            else:
+                self._restore(pending)
+                self._plan()
+        return attached
 
     def coverage(self, *example_inputs: Any, **example_kwargs: Any) -> Coverage:
         """What ``attach`` scaled, for a user to check a model in one call: every GEMM point (a layer's, with
@@ -389,8 +461,17 @@ class AdaptiveLossScaler(LossScaler):
         """
         if not self._enabled:
             return outputs
+        if self.state is None and self._binding is not None:
+            self._take_over()  # a copy going on with its original's model, as GradScaler's copies do
         if self.state is None:  # no model attached: GradScaler's loss scaling at alpha_{N+1}
+            AdaptiveState.note_scale()
             return super().scale(outputs)
+        if not self._bound():
+            raise RuntimeError(
+                "this AdaptiveLossScaler's model is driven by a copy of it now (copy.deepcopy or pickle, "
+                "whose scale() took the model over): go on with the copy, or attach the copy to a model of "
+                "its own before using it"
+            )
         state = self.state
         recompute = False
         if not self._scaled_this_iteration:
@@ -770,6 +851,17 @@ class _LossGradientProbe(torch.autograd.Function):
     def backward(ctx, grad):  # type: ignore[override]
         ctx.scaler._record_root(grad)
         return grad, None
+
+
+class _Binding:
+    """A model attached in this process, for its scaler's copies (``AdaptiveLossScaler._take_over``): the
+    module ``attach`` returned (weakly), the ``root="adaptive"`` forward hook (whose scaler a copy
+    replaces) and the generation, counting the copies that took the model over."""
+
+    def __init__(self, model: nn.Module, root_hook: _LossGradientHook | None) -> None:
+        self.model = weakref.ref(model)  # weakly, all three: the model holds its state, this entry's key
+        self.root_hook = weakref.ref(root_hook) if root_hook is not None else lambda: None
+        self.generation = 0
 
 
 class _LossGradientHook:
