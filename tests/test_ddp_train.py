@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -62,7 +63,7 @@ OVERRIDES = (
     "trainer.eval_batch_size=16",
     f"trainer.max_steps={STEPS}",
     "trainer.eval_every=4",
-    "trainer.log_every=2",
+    "trainer.log_every=3",  # not a divisor of checkpoint_every: the checkpoint holds a training window
     "trainer.checkpoint_every=4",
     "trainer.save_final=true",
     "trainer.progress_bar=false",
@@ -218,7 +219,9 @@ def test_one_process_resumes_a_ddp_checkpoint(ddp_sweep, single_runs, tmp_path):
 
 def test_ddp_resume_continues_bitwise(ddp_sweep, tmp_path):
     """A 2-process run resumed (resume=auto) from the DDP checkpoint at iteration 4 ends bitwise where the
-    uninterrupted run did: model, optimizer, scaler, data position and each rank's RNG state are restored."""
+    uninterrupted run did: model, optimizer, scaler, data position and each rank's RNG state are restored;
+    and each rank's training window (iteration 4's loss, logged with 5 and 6), so the log line of
+    iteration 6 is the uninterrupted run's."""
     job = ddp_sweep / "fp32_adaptive"
     (tmp_path / "checkpoints").mkdir()
     shutil.copy(job / "checkpoints" / "step_4.pt", tmp_path / "checkpoints" / "step_4.pt")
@@ -233,7 +236,15 @@ def test_ddp_resume_continues_bitwise(ddp_sweep, tmp_path):
     ref = json.loads((job / "metrics.json").read_text())
     for key in ("loss_scale", "skipped_steps", "train_loss", "test_accuracy", "best_test_accuracy"):
         assert got[key] == ref[key], key
-    assert "resuming from" in (tmp_path / "train.log").read_text()
+    log = (tmp_path / "train.log").read_text()
+    assert "resuming from" in log
+    assert _log_line(log, 6) == _log_line((job / "train.log").read_text(), 6)
+
+
+def _log_line(log: str, step: int) -> str:
+    """The progress line of iteration ``step`` (loss, accuracy, lr, scale, skipped), without the speed."""
+    (line,) = re.findall(rf"iteration {step}/{STEPS}: loss .*, skipped \d+", log)
+    return line
 
 
 def test_batch_size_must_divide_among_the_ranks():

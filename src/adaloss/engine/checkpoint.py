@@ -509,11 +509,12 @@ class CheckpointParts:
     def state_dict(self, step: int, config: dict[str, Any], wandb_run_id: str | None) -> dict[str, Any]:
         """The checkpoint. Under DDP every rank must call it (it gathers the ranks' RNG states: ``rng`` is
         rank 0's, ``rng_ranks`` all of them); rank 0 saves it."""
-        rng = capture_rng_state()
+        rng, window = capture_rng_state(), object_state(self.window)
         extra: dict[str, Any] = {}
-        if self.ranks.is_distributed:
+        if self.ranks.is_distributed:  # per rank: RNG streams, training-window sums (each rank's own batches)
             extra["rng_ranks"] = self.ranks.gather(rng)
-            rng = extra["rng_ranks"][0]
+            extra["window_ranks"] = self.ranks.gather(window)
+            rng, window = extra["rng_ranks"][0], extra["window_ranks"][0]
         return {
             "format": FORMAT_VERSION,
             "step": step,
@@ -528,7 +529,7 @@ class CheckpointParts:
             **extra,
             "world_size": self.ranks.world_size,
             "data": self.batches.state_dict(),
-            "window": object_state(self.window),
+            "window": window,
             "guard": {"consecutive": self.guard.consecutive},
             "progress": self.progress.state_dict(),
             "grad_quantizer": self.precision.state_dict() if self.precision is not None else {},
@@ -559,11 +560,22 @@ class CheckpointParts:
             if self.ranks.rank > 0:  # saved at another world size: a stream of this rank's own
                 seed_everything(rank_seed(int(self.key["seed"]), self.ranks.rank, int(state["step"])))
         self.batches.load_state_dict(state["data"])
-        restore_object_state(self.window, state.get("window", {}))
+        restore_object_state(self.window, self._window_state(state))
         self.guard.consecutive = int(state.get("guard", {}).get("consecutive", 0))
         self.progress.load_state_dict(state.get("progress", {}))
         if self.precision is not None:  # an older checkpoint has none: the quantizer starts afresh
             self.precision.load_state_dict(state.get("grad_quantizer", {}))
+
+    def _window_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """This rank's training window from a checkpoint: its own sums when saved at this world size; else
+        rank 0 takes the sums of every saved rank (the all-reduced read is the same) and the others start
+        empty. Before checkpoints held every rank's window, only rank 0's was saved: rank 0 takes it."""
+        per_rank = state.get("window_ranks") or [state.get("window", {})]
+        if len(per_rank) == self.ranks.world_size:
+            return per_rank[self.ranks.rank]
+        if self.ranks.rank > 0 or not per_rank[0]:
+            return {}
+        return self.window.combined(per_rank)
 
     def sharded_state(self) -> dict[str, Any]:
         """The model's parameters and the optimizer's state as this rank's shards (``DTensor`` values,

@@ -507,6 +507,15 @@ class _Window:
         self._seen += n
         self._steps += 1
 
+    @staticmethod
+    def combined(states: list[dict[str, Any]]) -> dict[str, Any]:
+        """One window's saved state (``object_state``) holding the sums of several ranks' saved windows, for
+        a run resumed at another world size: a read of it equals the ranks' all-reduced read."""
+        out = dict(states[0])
+        for key in ("_loss", "_correct", "_seen"):
+            out[key] = sum((s[key] for s in states[1:]), states[0][key])
+        return out
+
     def read(self, reduce: Callable[[Tensor], Tensor] | None = None) -> tuple[float, float | None, int]:
         """``(mean loss, accuracy % or None, samples)`` since the last read, then reset. One host sync.
 
