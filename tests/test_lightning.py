@@ -25,6 +25,7 @@ L = pytest.importorskip("lightning")
 from lightning.pytorch.loggers import Logger  # noqa: E402
 
 from adaloss.integrations.lightning import FabricScalerPrecision, ScalerPrecision  # noqa: E402
+from adaloss.precision import Precision  # noqa: E402
 from adaloss.scalers import LossScaler, build_scaler  # noqa: E402
 from trainer_parity import (  # noqa: E402
     CLIP,
@@ -32,6 +33,7 @@ from trainer_parity import (  # noqa: E402
     LR,
     SCALERS,
     STEPS,
+    X,
     batches,
     equal,
     loader,
@@ -118,9 +120,9 @@ def fit(
 ) -> tuple[L.Trainer, LitClassifier, LossScaler]:
     lit, scaler = lit_module(), build_scaler(SCALERS[name])
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=steps, plugins=[ScalerPrecision(scaler, telemetry_every=5)],
-        logger=logger, enable_checkpointing="callbacks" in trainer_args, enable_progress_bar=False,
-        enable_model_summary=False, **trainer_args,
+        accelerator="cpu", devices=1, max_steps=steps, plugins=[ScalerPrecision(scaler)], logger=logger,
+        enable_checkpointing="callbacks" in trainer_args, enable_progress_bar=False,
+        enable_model_summary=False, log_every_n_steps=5, **trainer_args,
     )  # fmt: skip
     trainer.fit(lit, loader(), ckpt_path=ckpt)
     return trainer, lit, scaler
@@ -146,26 +148,59 @@ BY_SPEED = [pytest.param(n, marks=pytest.mark.slow) if n in ("none", "fixed") el
 
 @pytest.mark.parametrize("name", BY_SPEED)
 def test_trainer_fit_equals_our_loop(name: str, ours: dict[str, list[torch.Tensor]]) -> None:
-    """20 steps of Trainer.fit with the plugin end with our loop's weights, bitwise; the per-layer
-    telemetry reached the module's logger every 5 iterations (and changed nothing)."""
+    """20 steps of Trainer.fit with the plugin end with our loop's weights, bitwise; the per-layer telemetry
+    went through the module's log on the Trainer's logging steps (log_every_n_steps=5), so it reached the
+    logger and callback_metrics (what ModelCheckpoint and EarlyStopping monitor), named as our loop names
+    the layers (0 and 2, not net.0), and changed nothing."""
     logger = RecordingLogger()
-    _, lit, scaler = fit(name, logger=logger)
+    trainer, lit, scaler = fit(name, logger=logger)
     assert equal(weights(lit), ours[name])
     telemetry = [(step, m) for step, m in logger.records if "mean_underflow_rate" in m]
-    assert [step for step, _ in telemetry] == [1, 6, 11, 16]  # after iterations 0, 5, 10, 15
+    assert [step for step, _ in telemetry] == [4, 9, 14, 19]  # Lightning's logging steps
     record = telemetry[-1][1]
-    assert {"underflow_rate/net.0", "underflow_rate/net.2"} <= set(record)
-    assert all(0.0 <= record[f"underflow_rate/net.{i}"] <= 1.0 for i in (0, 2))
+    assert {"underflow_rate/0", "underflow_rate/2"} <= set(record)
+    assert all(0.0 <= record[f"underflow_rate/{i}"] <= 1.0 for i in (0, 2))
+    assert all(float(trainer.callback_metrics[k]) == v for k, v in record.items() if k != "epoch")
     if name == "adaptive":
         assert {k: v for k, v in record.items() if k.startswith("alpha/")} == {
             f"alpha/{layer}": alpha for layer, alpha in scaler.layer_scales().items()
         }
         assert len(scaler.layer_scales()) == 2
-    else:
-        # the scale at iteration 15 (the dynamic one has grown since)
-        assert record["loss_scale"] == {"none": 1.0, "fixed": 1024.0, "dynamic": 2.0**19}[name]
+    else:  # the last iteration's, after its update: the scaler's final scale
+        assert record["loss_scale"] == scaler.get_scale()
     if name == "none":
         assert telemetry[0][1]["mean_underflow_rate"] > 0  # unscaled FP16 gradients lose values here
+
+
+def test_the_scaler_state_carries_between_our_loop_and_lightning() -> None:
+    """The layers are named relative to the LightningModule's network (its self.net), as our loop names
+    them: after 20 steps, Lightning's scaler state is our loop's; our loop's state loads into a scaler that
+    Lightning attaches, and Lightning's into one our loop attaches."""
+    _, _, lightning = fit("adaptive")
+    _, ours = our_loop("adaptive")  # on the network itself: layers 0 and 2
+    assert lightning.state_dict() == ours.state_dict()
+    plugin = ScalerPrecision(build_scaler(SCALERS["adaptive"]))
+    plugin.scaler.load_state_dict(ours.state_dict())
+    plugin.convert_module(lit_module())
+    assert plugin.scaler.state_dict() == ours.state_dict()
+    back = build_scaler(SCALERS["adaptive"])
+    back.load_state_dict(lightning.state_dict())
+    back.attach(seeded_net())
+    assert back.state_dict() == lightning.state_dict()
+
+
+def test_lightning_precision_names() -> None:
+    """Lightning's names are taken and reported by trainer.precision (ours are reported as they are); half
+    weights ("16-true") and unknown names are refused with the names to use."""
+    for given, reported in (("16-mixed", "16-mixed"), ("bf16-mixed", "bf16-mixed"), ("32-true", "32-true"),
+                            ("fp16", "16-mixed"), (32, "32-true"), ("fp8_e5m2", "fp8_e5m2")):  # fmt: skip
+        plugin = ScalerPrecision(build_scaler(SCALERS["dynamic"]), precision=given)
+        trainer = L.Trainer(accelerator="cpu", plugins=[plugin], logger=False, enable_progress_bar=False)
+        assert trainer.precision == reported, given
+    with pytest.raises(ValueError, match=r"half weights .* use '16-mixed'"):
+        ScalerPrecision(build_scaler(SCALERS["dynamic"]), precision="16-true")
+    with pytest.raises(ValueError, match=r"'bf16-mixed'.*fp8_e4m3"):
+        ScalerPrecision(build_scaler(SCALERS["dynamic"]), precision="fp12")
 
 
 @pytest.mark.parametrize("name", ["dynamic", pytest.param("adaptive", marks=pytest.mark.slow)])
@@ -203,6 +238,19 @@ def test_checkpoint_resumes_the_adaptive_scaler_exactly(tmp_path: Path) -> None:
     _, resumed, resumed_scaler = fit("adaptive", ckpt=path)
     assert equal(weights(resumed), weights(whole))
     assert resumed_scaler.state_dict() == whole_scaler.state_dict()
+
+
+@pytest.mark.parametrize("name", ["dynamic", "adaptive"])
+def test_predict_after_fit(name: str) -> None:
+    """After fit, trainer.predict with Lightning's default predict_step (Lightning's loop asks
+    is_overridden("forward"), which reads forward's code) returns the module's outputs under the
+    precision."""
+    trainer, lit, _ = fit(name, steps=2)
+    x = X[:16]
+    batches = trainer.predict(lit, torch.utils.data.DataLoader(x, batch_size=8))
+    with torch.no_grad(), Precision("fp16", "cpu").autocast():
+        expected = lit(x)
+    assert torch.equal(torch.cat(batches), expected)
 
 
 @pytest.mark.parametrize("name", BY_SPEED)
@@ -322,7 +370,8 @@ def test_a_training_step_that_bypasses_forward_is_refused() -> None:
 
 
 def test_a_precision_for_another_device_is_refused() -> None:
-    """CUDA autocast around a CPU model would train it in FP32 without a word: refused with the fix."""
+    """CUDA autocast around a CPU model would train it in FP32 without a word: a device given that is not
+    the model's is refused with the fix (without one, the plugin takes the model's)."""
     trainer = L.Trainer(
         accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, plugins=[ScalerPrecision(build_scaler(SCALERS["fixed"]), device="cuda")],

@@ -36,8 +36,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from adaloss.precision import Precision
-from adaloss.scalers import LossScaler
+from adaloss.precision import GEMM_MODULES, PRECISION_NAMES, Precision
+from adaloss.scalers import AdaptiveLossScaler, LossScaler
 from adaloss.telemetry import UnderflowMonitor
 
 try:
@@ -56,13 +56,54 @@ __all__ = ["FabricScalerPrecision", "ScalerPrecision"]
 class _AttachedForward:
     """The ``forward`` of a module whose network the adaptive scaler rewrote: calls the rewritten module
     (through ``__call__``, so its hooks run). A class rather than a closure, so that ``copy.deepcopy`` of the
-    module copies the rewritten network with it."""
+    module copies the rewritten network with it. ``__wrapped__`` is the module class's own ``forward``, as
+    ``functools.wraps`` sets it: what Lightning's ``is_overridden("forward")`` (run by ``predict``,
+    ``validate`` and ``test``) and ``inspect.signature`` read."""
 
-    def __init__(self, attached: nn.Module) -> None:
+    def __init__(self, attached: nn.Module, forward: Callable[..., Any]) -> None:
         self.attached = attached
+        self.__wrapped__ = forward
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.attached(*args, **kwargs)
+
+
+#: Lightning's precision names (``Trainer(precision=...)``) the plugins take, as the precision they train in
+LIGHTNING_NAMES = {
+    "16-mixed": "fp16", "bf16-mixed": "bf16", "32-true": "fp32", "16": "fp16", "bf16": "bf16", "32": "fp32",
+}  # fmt: skip
+#: What ``trainer.precision`` reports for ours (Lightning's name where it has one)
+_REPORTED = {"fp16": "16-mixed", "bf16": "bf16-mixed", "fp32": "32-true"}
+
+
+def precision_name(precision: Any) -> str:
+    """Our precision's name for ``precision``: one of ours (``fp16``, ``fp8_e5m2``, ...) or Lightning's mixed
+    names (``"16-mixed"``, ``"bf16-mixed"``, ``"32-true"``, 16, 32); ``ValueError`` naming both lists."""
+    name = str(precision).strip()
+    if name in PRECISION_NAMES:
+        return name
+    if name in LIGHTNING_NAMES:
+        return LIGHTNING_NAMES[name]
+    half = " (half weights have nothing to scale against here: use '16-mixed')" if "-true" in name else ""
+    raise ValueError(
+        f"the plugin's precision {precision!r} is not one it trains in{half}: pass Lightning's "
+        f"{', '.join(repr(n) for n in LIGHTNING_NAMES if '-' in n)} or one of ours "
+        f"({', '.join(PRECISION_NAMES)})"
+    )
+
+
+def _network_path(module: nn.Module) -> str:
+    """The path of the smallest submodule of ``module`` that holds every GEMM layer (``"net"`` for a
+    LightningModule that keeps its network in ``self.net``), or ``""``: the layers are named relative to it,
+    as in a loop that trains the network itself. Host-side."""
+    paths = [name.split(".")[:-1] for name, m in module.named_modules() if isinstance(m, GEMM_MODULES)]
+    common = paths[0] if paths else []
+    for path in paths[1:]:
+        n = 0
+        while n < min(len(common), len(path)) and common[n] == path[n]:
+            n += 1
+        common = common[:n]
+    return ".".join(common)
 
 
 class _ScalerDriver:
@@ -70,7 +111,11 @@ class _ScalerDriver:
     iterations. No method synchronizes host and device except ``finish_iteration`` on telemetry steps."""
 
     def __init__(
-        self, scaler: Any, precision: str | Precision, device: str | torch.device, telemetry_every: int | None
+        self,
+        scaler: Any,
+        precision: str | Precision,
+        device: str | torch.device | None,
+        telemetry_every: int | str | None,
     ) -> None:
         if not isinstance(scaler, LossScaler):
             raise TypeError(
@@ -78,15 +123,31 @@ class _ScalerDriver:
                 "adaloss.scalers (e.g. AdaptiveLossScaler() or build_scaler({'name': 'dynamic'})); for "
                 "torch.amp.GradScaler use Lightning's own MixedPrecision plugin"
             )
+        if telemetry_every not in (None, "trainer"):
+            if type(telemetry_every) is not int or telemetry_every < 1:
+                raise ValueError(
+                    f"telemetry_every must be a positive int, 'trainer' or None, got {telemetry_every!r}"
+                )
         self.scaler = scaler
-        self.precision = precision if isinstance(precision, Precision) else Precision(precision, device)
-        if telemetry_every is None:
-            self.monitor = None
-        else:
-            self.monitor = UnderflowMonitor(every=telemetry_every, fmt=self.precision.telemetry_format)
+        # a name without a device: the emulation's precision until the model's device is known (first
+        # forward pass: where the Trainer's accelerator or Fabric put it)
+        self._device_known = isinstance(precision, Precision) or device is not None
+        if not isinstance(precision, Precision):
+            precision = Precision(precision_name(precision), device if device is not None else "cpu")
+        self.precision = precision
+        self.reported = _REPORTED.get(precision.name, precision.name)
+        # "trainer": every Trainer(log_every_n_steps=...) iterations, on the ones Lightning logs (known at the
+        # first training forward pass); an int: the first iteration and every this many
+        self.telemetry_every = telemetry_every
+        self._offset = 1 if telemetry_every == "trainer" else 0
+        self.monitor = None
+        if telemetry_every is not None:
+            every = 1 if telemetry_every == "trainer" else int(telemetry_every)
+            self.monitor = UnderflowMonitor(every=every, fmt=self.precision.telemetry_format)
         self.steps = 0  # iterations completed (scaler.update() calls): the telemetry schedule's clock
         self.telemetry: dict[str, float] = {}
         self._module: nn.Module | None = None
+        self._network: nn.Module | None = None  # the attached module's submodule the layers are named in
         self._rewritten = False
         self._forward_seen = False
         self._device_checked = False
@@ -94,7 +155,8 @@ class _ScalerDriver:
 
     def convert(self, module: nn.Module) -> nn.Module:
         """Attach the scaler to ``module`` (once; Lightning converts again on each ``fit``/``validate``) and
-        return ``module`` itself: the adaptive scaler's rewrite becomes its ``forward``. No sync."""
+        return ``module`` itself: the adaptive scaler's rewrite becomes its ``forward``. Layers are named
+        relative to the submodule holding them all (:func:`_network_path`). No sync."""
         if module is self._module:
             return module
         if self._module is not None:
@@ -102,12 +164,18 @@ class _ScalerDriver:
                 f"this plugin's scaler is already attached to a {type(self._module).__name__}; an adaloss "
                 "scaler rewrites one model: make one plugin (and one scaler) per model"
             )
-        attached = self.scaler.attach(module)
-        self.precision.prepare(attached)  # names the GEMM layers for telemetry
+        path = _network_path(module)
+        if isinstance(self.scaler, AdaptiveLossScaler):
+            attached = self.scaler.attach_within(module, path)
+        else:
+            attached = self.scaler.attach(module)
+        self._network = attached.get_submodule(path)
+        if self._device_known:
+            self.precision.prepare(self._network)  # names the GEMM layers for telemetry
         if attached is not module:
             self._rewritten = True
             attached.register_forward_pre_hook(self._note_forward)
-            module.forward = _AttachedForward(attached)  # type: ignore[method-assign]
+            module.forward = _AttachedForward(attached, type(module).forward)  # type: ignore[method-assign]
         self._module = module
         return module
 
@@ -121,19 +189,35 @@ class _ScalerDriver:
         (the emulated path, so gradients are counted before and after rounding). No sync."""
         if not self._device_checked and self._module is not None:
             self._check_device(self._module)
-        due = (
-            training and self.monitor is not None and self.monitor.due(self.steps) and torch.is_grad_enabled()
-        )
+        due = training and self._telemetry_due() and torch.is_grad_enabled()
         return self.precision.autocast(monitor=self.monitor if due else None)
 
+    def _telemetry_due(self) -> bool:
+        """Whether this iteration is a telemetry one. Under ``"trainer"``: the iterations Lightning logs
+        (``(global step + 1) % log_every_n_steps == 0``). Host-side."""
+        if self.monitor is None:
+            return False
+        if self.telemetry_every == "trainer" and self.monitor.every == 1 and self._module is not None:
+            trainer = getattr(self._module, "_trainer", None)  # None under Fabric: every iteration
+            if trainer is not None:
+                self.monitor.every = max(int(trainer.log_every_n_steps), 1)
+        return self.monitor.due(self.steps + self._offset)
+
     def _check_device(self, module: nn.Module) -> None:
-        """Once, at the first forward pass (the model has been moved by then): the precision must be for
-        the model's device; CUDA autocast around a CPU model would leave it in FP32 without a word."""
+        """Once, at the first forward pass (the model has been moved by then): a precision given without a
+        device takes the model's (where the Trainer's accelerator put it); one given for a device must be
+        the model's, as CUDA autocast around a CPU model would leave it in FP32 without a word."""
         param = next(module.parameters(), None)
-        if param is not None and param.device.type != self.precision.device.type:
+        if param is not None and not self._device_known:
+            if param.device.type != self.precision.device.type:
+                self.precision = Precision(self.precision.name, param.device)
+            self.precision.prepare(self._network)
+            self._device_known = True
+        elif param is not None and param.device.type != self.precision.device.type:
             raise ValueError(
                 f"the plugin's precision is for device '{self.precision.device.type}' but the model is on "
-                f"'{param.device}': pass device='{param.device.type}' to the plugin"
+                f"'{param.device}': pass device='{param.device.type}' to the plugin (or leave device out: "
+                "it then follows the model)"
             )
         self._device_checked = True
 
@@ -173,7 +257,7 @@ class _ScalerDriver:
         return output
 
     def _finish_iteration(self) -> None:
-        due = self.monitor is not None and self.monitor.due(self.steps)
+        due = self._telemetry_due()
         self.steps += 1
         self._unscaled.clear()
         if due:
@@ -220,11 +304,12 @@ class _Driven:
     def __init__(
         self,
         scaler: LossScaler,
-        precision: str | Precision = "fp16",
-        device: str | torch.device = "cpu",
-        telemetry_every: int | None = 100,
+        precision: str | Precision = "16-mixed",
+        device: str | torch.device | None = None,
+        telemetry_every: int | str | None = "trainer",
     ) -> None:
         self._driver = _ScalerDriver(scaler, precision, device, telemetry_every)
+        self.precision = self._driver.reported  # what trainer.precision reports
 
     @property
     def scaler(self) -> LossScaler:
@@ -237,15 +322,24 @@ class ScalerPrecision(_Driven, _TrainerPrecision):
 
     Args:
         scaler (LossScaler): one of :mod:`adaloss.scalers`, not yet attached (the plugin attaches it).
-        precision (str or Precision, optional, default="fp16"): the training precision's name (``fp32``,
-            ``fp16``, ``bf16``, ``fp8_e5m2``, ``fp8_e4m3``) or an :class:`adaloss.precision.Precision`.
-        device (str, optional, default="cpu"): the device the precision is for (``"cuda"``: real autocast;
-            ``"cpu"``: the emulation), as Lightning's ``MixedPrecision(device=...)``.
-        telemetry_every (int or None, optional, default=100): log per-layer underflow and alpha through the
-            module's loggers on the first iteration and every this many; None: never.
+        precision (str or Precision, optional, default="16-mixed"): the training precision: Lightning's
+            name (``"16-mixed"``, ``"bf16-mixed"``, ``"32-true"``; ``trainer.precision`` reports it), ours
+            (``fp16``, ``bf16``, ``fp32``, ``fp8_e5m2``, ``fp8_e4m3``, ...) or an
+            :class:`adaloss.precision.Precision`.
+        device (str, optional, default=None): the device the precision is for (``"cuda"``: real autocast;
+            ``"cpu"``: the emulation), as Lightning's ``MixedPrecision(device=...)``; None: the model's,
+            where the Trainer's accelerator puts it.
+        telemetry_every (int, "trainer" or None, optional, default="trainer"): per-layer underflow rates and
+            alphas (or the loss scale), logged with the module's ``log`` (so in ``callback_metrics``, for
+            ``ModelCheckpoint`` and ``EarlyStopping`` to monitor): ``"trainer"``, on the iterations the
+            Trainer logs (``log_every_n_steps``); an int, on the first iteration and every this many (the
+            loggers get those that fall on the Trainer's logging steps); None: never.
 
-    ``training_step`` must call ``self(...)`` (the adaptive scaler rewrites ``forward``). The LR scheduler
-    steps on skipped iterations too, as under Lightning's ``MixedPrecision``.
+    Layers are named relative to the submodule that holds them all (``0`` for a ``LightningModule`` whose
+    network is ``self.net``, a ``Sequential``), as ``scaler.attach(net)`` names them in a loop of your own:
+    a scaler state saved by one loads in the other. ``training_step`` must call ``self(...)`` (the adaptive
+    scaler rewrites ``forward``). The LR scheduler steps on skipped iterations too, as under Lightning's
+    ``MixedPrecision``.
     """
 
     def convert_module(self, module: nn.Module) -> nn.Module:
@@ -285,9 +379,8 @@ class ScalerPrecision(_Driven, _TrainerPrecision):
             return closure_result
         output = self._driver.step(optimizer, **kwargs)
         telemetry = self._driver.pop_telemetry()  # empty but on telemetry steps
-        if telemetry:
-            for logger in model.loggers:
-                logger.log_metrics(telemetry, step=self._driver.steps)
+        if telemetry:  # through the module: callback_metrics, then the loggers at Lightning's log steps
+            model.log_dict(telemetry, on_step=True, on_epoch=False, batch_size=1)
         return output
 
     def clip_gradients(
@@ -322,6 +415,15 @@ class FabricScalerPrecision(_Driven, _FabricPrecision):
     steps). Save and restore the scaler with the plugin in the checkpoint state:
     ``fabric.save(path, {"model": model, "optimizer": optimizer, "precision": plugin})``.
     """
+
+    def __init__(
+        self,
+        scaler: LossScaler,
+        precision: str | Precision = "16-mixed",
+        device: str | torch.device | None = None,
+        telemetry_every: int | None = 100,
+    ) -> None:
+        super().__init__(scaler, precision, device, telemetry_every)
 
     @property
     def steps(self) -> int:
