@@ -241,6 +241,10 @@ class CapturedForward:
         self.gm = gm
         self.own = type(model).forward  # unbound: a deep copy of the model must not bind it to this one
         self.signature = inspect.signature(self.own.__get__(model))
+        # the name of forward's **kwargs, whose keywords (transformers' loss kwargs) count one by one
+        self.var_keyword = next(
+            (p.name for p in self.signature.parameters.values() if p.kind is p.VAR_KEYWORD), None
+        )
         self.positional = _positional_names(model, len(args))
         self.keywords = tuple(kwargs)
         self.names = frozenset((*self.positional, *self.keywords))
@@ -253,6 +257,9 @@ class CapturedForward:
             given = self.signature.bind_partial(*args, **kwargs).arguments
         except TypeError:
             given = None
+        if given is not None and self.var_keyword in given:
+            extra = given.pop(self.var_keyword)
+            given = {**given, **extra}
         if given is not None and given.keys() == self.names:
             if self.layers and model.training and torch.is_grad_enabled() and checkpointing(self.layers):
                 if self.checkpointed is None:

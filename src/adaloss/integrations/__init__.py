@@ -7,8 +7,8 @@
 * :mod:`adaloss.integrations.timm`: ``TimmScaler(scaler)``, in the place of timm's ``NativeScaler`` (needs
   the ``timm`` extra).
 
-Importing this package imports none of these libraries; each submodule imports its own on first import, and says
-which extra to install when it is missing. The docs page "Using the scalers in your trainer"
+Importing this package imports none of these libraries; each submodule imports its own on first import, and
+says which extra to install when it is missing. The docs page "Using the scalers in your trainer"
 (``docs/trainers.md``) shows each in use.
 """
 

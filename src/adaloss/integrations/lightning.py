@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from adaloss.integrations._telemetry import scaler_telemetry
 from adaloss.precision import GEMM_MODULES, PRECISION_NAMES, Precision
 from adaloss.scalers import AdaptiveLossScaler, LossScaler
 from adaloss.telemetry import UnderflowMonitor
@@ -265,18 +266,7 @@ class _ScalerDriver:
 
     def _telemetry(self) -> dict[str, float]:
         """Per-layer underflow rates and alphas (or the scalar loss scale) and the counters. One sync."""
-        assert self.monitor is not None
-        rates = self.monitor.underflow_rates()
-        out = {f"underflow_rate/{layer}": rate for layer, rate in rates.items()}
-        out["mean_underflow_rate"] = UnderflowMonitor.mean_rate(rates)
-        scale = self.scaler.loss_scale_metric()
-        if isinstance(scale, dict):
-            out.update({f"alpha/{layer}": alpha for layer, alpha in scale.items()})
-        else:
-            out["loss_scale"] = float(scale)
-        out["skipped_steps"] = float(self.scaler.skipped_steps)
-        out["overflow_count"] = float(self.scaler.overflow_count)
-        return out
+        return scaler_telemetry(self.scaler, self.monitor)
 
     def pop_telemetry(self) -> dict[str, float]:
         """The last telemetry step's record, then empty until the next one. No sync."""

@@ -836,13 +836,15 @@ def _fixed_factor(value: Any, fixed: float, kind: str, verb: str) -> None:
 
 class _LossGradientProbe(torch.autograd.Function):
     """Identity on a model output; on the way back, hands the loss gradient reaching it to the scaler
-    (``root="adaptive"``) and passes it on unchanged."""
+    (``root="adaptive"``) and passes it on unchanged. A view of the output, but a copy of a 0-dim one (a
+    loss the model computed), which callers change in place (transformers' Trainer: ``loss *= ...``) and
+    autograd refuses that on a custom Function's view."""
 
     @staticmethod
     def forward(ctx, y, scaler):  # type: ignore[override]
         ctx.scaler = scaler
         with torch._C.DisableTorchFunction():
-            out = y.view_as(y)
+            out = y.clone() if y.dim() == 0 else y.view_as(y)
             if is_low_precision(y):  # stored in the format exactly when y is (the CPU emulation's mark)
                 mark_low_precision(out)
         return out
