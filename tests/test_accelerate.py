@@ -116,3 +116,52 @@ def test_use_scaler_after_prepare_is_refused() -> None:
 def test_a_grad_scaler_is_refused_with_the_fix() -> None:
     with pytest.raises(TypeError, match="mixed_precision='fp16'"):
         use_scaler(accelerate.Accelerator(cpu=True), torch.amp.GradScaler("cpu"))
+
+
+def test_fsdp_is_refused_with_the_true_reason() -> None:
+    """Accelerate's FSDP is refused, with the reason: not the statistics (FSDP2 needs no reduction of them,
+    docs/fsdp2.md) but a wrap policy that does not follow the adaptive scaler's rewrite."""
+    from types import SimpleNamespace
+
+    fsdp = SimpleNamespace(distributed_type=accelerate.utils.DistributedType.FSDP, _optimizers=[])
+    with pytest.raises(ValueError, match=r"fully_shard replaces each wrapped module's parameters") as refused:
+        use_scaler(fsdp, build_scaler(SCALERS["adaptive"]))
+    assert "statistics" not in str(refused.value) and "distributed.strategy=fsdp2" in str(refused.value)
+    with pytest.raises(ValueError, match="ShardedGradScaler"):
+        use_scaler(fsdp, build_scaler(SCALERS["dynamic"]))
+
+
+FULLY_SHARD_SCRIPT = """
+import os, torch, torch.distributed as dist, transformers
+from torch.distributed.fsdp import fully_shard
+from adaloss.scalers import AdaptiveLossScaler
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"], RANK="0", WORLD_SIZE="1")
+dist.init_process_group("gloo")
+config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=16)
+config.use_cache = False
+model, ids = transformers.GPT2LMHeadModel(config), torch.randint(0, 50, (2, 8))
+model = AdaptiveLossScaler().attach(model, input_ids=ids, labels=ids)
+captured = model.transformer.h[0].attn.c_attn.weight
+fully_shard(model.transformer.h[0])  # what Accelerate's wrap policy does to a GPT2Block
+sharded = model.transformer.h[0].attn.c_attn.weight
+graph = model.forward.gm.get_parameter("transformer.h.0.attn.c_attn.weight")
+assert type(sharded.data).__name__ == "DTensor" and graph is captured and graph is not sharded
+"""
+
+
+@pytest.mark.slow
+def test_fully_shard_leaves_a_captured_graph_on_the_parameters_it_replaced(tmp_path: Path) -> None:
+    """The first half of that reason, measured: fully_shard swaps a module's parameters for sharded ones, and
+    a captured transformers model's graph still holds the old ones (one process, gloo; 30 s on two busy
+    cores, mostly imports)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    pytest.importorskip("transformers")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PORT=str(port), OMP_NUM_THREADS="1")
+    subprocess.run([sys.executable, "-c", FULLY_SHARD_SCRIPT], check=True, env=env, timeout=300)

@@ -25,7 +25,7 @@ from typing import Any
 
 from torch import nn
 
-from adaloss.scalers import LossScaler
+from adaloss.scalers import AdaptiveLossScaler, LossScaler
 
 __all__ = ["use_scaler"]
 
@@ -34,8 +34,21 @@ _UNSUPPORTED = {
     "DEEPSPEED": "DeepSpeed scales the loss itself (its fp16 config)",
     "MEGATRON_LM": "Megatron-LM scales the loss itself",
     "XLA": "XLA devices have no FP16 loss scaling here",
-    "FSDP": "FSDP shards the parameters, which the adaptive scaler's weight statistics do not reduce yet",
 }
+#: Why Accelerate's FSDP is refused. Not the scales' statistics: under FSDP2 they need no reduction beyond
+#: the gradient statistics' (docs/fsdp2.md). What is missing is a sharding that follows the rewrite.
+_FSDP_ADAPTIVE = (
+    "Accelerate shards the model by its own wrap policy after the adaptive scaler rewrote it: fully_shard "
+    "replaces each wrapped module's parameters with sharded ones, which a captured transformers model's "
+    "graph (it holds the parameter objects it was captured with) would never read, and a policy that puts a "
+    "rewritten GEMM and the batch norm it carries in different units leaves the batch norm's parameters "
+    "sharded where the GEMM reads them; this project's runner shards along the rewrite "
+    "(distributed.strategy=fsdp2, docs/fsdp2.md)"
+)
+_FSDP_OTHER = (
+    "Accelerate pairs FSDP's sharded gradients with a scaler of its own choosing (ShardedGradScaler under "
+    "FSDP1), a path these scalers are not tested on"
+)
 
 
 def use_scaler(accelerator: Any, scaler: LossScaler, model: nn.Module | None = None) -> nn.Module | None:
@@ -50,7 +63,8 @@ def use_scaler(accelerator: Any, scaler: LossScaler, model: nn.Module | None = N
     Raises:
         TypeError: ``scaler`` is not an adaloss scaler.
         RuntimeError: an optimizer was prepared already (it kept the accelerator's old scaler).
-        ValueError: a distributed type that scales the loss its own way (DeepSpeed, Megatron-LM, XLA, FSDP).
+        ValueError: a distributed type that scales the loss its own way (DeepSpeed, Megatron-LM, XLA), or
+            FSDP, whose wrap policy does not follow the adaptive scaler's rewrite (the message says why).
     """
     if not isinstance(scaler, LossScaler):
         raise TypeError(
@@ -63,10 +77,14 @@ def use_scaler(accelerator: Any, scaler: LossScaler, model: nn.Module | None = N
             "scaler it was prepared with; call use_scaler(accelerator, scaler, model) before prepare"
         )
     kind = str(getattr(accelerator.distributed_type, "name", accelerator.distributed_type))
-    if kind in _UNSUPPORTED:
+    if kind == "FSDP":
+        why = _FSDP_ADAPTIVE if isinstance(scaler, AdaptiveLossScaler) else _FSDP_OTHER
+    else:
+        why = _UNSUPPORTED.get(kind)
+    if why is not None:
         raise ValueError(
-            f"use_scaler does not support distributed_type={kind}: {_UNSUPPORTED[kind]}; use "
-            "DDP (MULTI_GPU, MULTI_CPU) or one process"
+            f"use_scaler does not support distributed_type={kind}: {why}; use DDP (MULTI_GPU, MULTI_CPU) or "
+            "one process"
         )
     accelerator.scaler = scaler
     accelerator.unscale_gradients = functools.partial(_unscale_gradients, accelerator)
