@@ -11,7 +11,8 @@ layers) with ``ADALOSS_DEBUG_RANK_FILES=1``. Asserted:
 * its checkpoint is ``step_4.pt`` (``sharded``: no parameters and no optimizer state, rank 0's buffers) plus
   ``step_4.dcp/``, the shards written through ``torch.distributed.checkpoint``;
 * a second launch resumed (``resume=auto``) from that checkpoint ends bitwise where the uninterrupted run did
-  (buffers included: a checkpoint that kept another rank's batch-norm statistics fails here).
+  (buffers included: a checkpoint that kept another rank's batch-norm statistics fails here), and logs
+  iteration 6 as it did (the checkpoint of iteration 4 holds each rank's training window: ``log_every=3``).
 
 And without torchrun, ``distributed.strategy=fsdp2`` is one ``ConfigError`` naming the launch command, and a
 checkpoint of one strategy resumed under the other names the strategy to resume with.
@@ -29,7 +30,7 @@ import torch
 from adaloss.engine import train
 from adaloss.errors import ConfigError
 from conftest import compose_train
-from test_ddp_train import _launch
+from test_ddp_train import _launch, _log_line
 
 STEPS = 8
 OVERRIDES = (
@@ -41,7 +42,7 @@ OVERRIDES = (
     "trainer.eval_batch_size=16",
     f"trainer.max_steps={STEPS}",
     "trainer.eval_every=4",
-    "trainer.log_every=2",
+    "trainer.log_every=3",  # not a divisor of checkpoint_every: the checkpoint holds a training window
     "trainer.checkpoint_every=4",
     "trainer.save_final=true",
     "trainer.progress_bar=false",
@@ -102,7 +103,9 @@ def test_fsdp2_resume_continues_bitwise(sweep, tmp_path):
         *OVERRIDES, "distributed.strategy=fsdp2", "resume=auto", f"hydra.run.dir={tmp_path}"
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
-    assert "resuming from" in (tmp_path / "train.log").read_text()
+    log = (tmp_path / "train.log").read_text()
+    assert "resuming from" in log
+    assert _log_line(log, 6) == _log_line((job / "train.log").read_text(), 6)  # each rank's window restored
     final, uninterrupted = _weights(tmp_path / "model.pt"), _weights(job / "model.pt")
     for name, value in uninterrupted.items():
         assert torch.equal(final[name], value), name

@@ -282,9 +282,7 @@ class AdaptiveLossScaler(LossScaler):
         # root="adaptive": whether this iteration measures the loss gradient, what it measured (binade
         # counts and max magnitude, on the device) and the alpha_{N+1} it was measured at
         self._measure_root, self._root_stats, self._root_at = False, None, self._loss_scale
-        # copies: the (token, generation) of the model this scaler drives, or of its original's model while
-        # a copy has none of its own (see _take_over)
-        self._binding: tuple[str, int] | None = None
+        self._binding: tuple[str, int] | None = None  # its model's (token, generation): _take_over
 
     # ------------------------------------------------------------------ copies
 
