@@ -405,9 +405,10 @@ def _e2m1_sweep() -> torch.Tensor:
 
 def test_nvfp4_against_torchao_differs_by_a_grid_step_only_at_midpoints() -> None:
     # docs/fp4.md, "torchao": on the E2M1 sweep at 100 tensor scales, where the block scales agree, values
-    # differ by a whole grid step only at midpoints of the grid, and otherwise by at most 2 FP32 ulps. At the
-    # tensor scale whose encode multiplier is exactly 1 (amax 6), adaloss's values are the round-to-nearest-even
-    # ones and torchao's fall a step below at the midpoints whose even neighbour is the upper one.
+    # differ by a whole grid step only at midpoints of the grid, and otherwise by at most 2 FP32 ulps. At
+    # the tensor scale whose encode multiplier is exactly 1 (amax 6), adaloss's values are the
+    # round-to-nearest-even ones, and torchao's fall a step below at the midpoints whose even neighbour is
+    # the upper one.
     pytest.importorskip("torchao.prototype.mx_formats")
     from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
 
@@ -440,8 +441,8 @@ def test_nvfp4_against_torchao_differs_by_a_grid_step_only_at_midpoints() -> Non
 
 
 def test_mxfp4_rceil_against_torchao_differs_only_just_above_a_power_of_two() -> None:
-    # docs/fp4.md, "torchao": rceil rounds amax / 6 (FP32) up to a power of two; torchao's log2 keeps the power
-    # of two itself when amax / 6 lies a few ulps above it. Blocks swept over +-40 ulps around 6 * 2^k.
+    # docs/fp4.md, "torchao": rceil rounds amax / 6 (FP32) up to a power of two; torchao's log2 keeps the
+    # power of two itself when amax / 6 lies a few ulps above it. Blocks swept over +-40 ulps around 6 * 2^k.
     pytest.importorskip("torchao.prototype.mx_formats")
     from torchao.prototype.mx_formats.mx_tensor import ScaleCalculationMode, to_dtype, to_mx
 
