@@ -389,6 +389,76 @@ def test_torchao_emulation_agrees_on_mxfp4_and_differs_on_nvfp4_where_documented
     )
 
 
+_E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
+
+
+def _e2m1_sweep() -> torch.Tensor:
+    """Every multiple of 1/64 in [-6, 6], 14 to a 16-element block whose other two elements are +-6, so every
+    block's amax is 6 and its scale is the tensor's."""
+    t = torch.arange(-384, 385, dtype=torch.float32) / 64
+    blocks = -(-t.numel() // 14)
+    vals = torch.zeros(blocks, 16)
+    vals[:, :14] = torch.cat([t, t.new_zeros(blocks * 14 - t.numel())]).view(blocks, 14)
+    vals[:, 14], vals[:, 15] = 6.0, -6.0
+    return vals.reshape(1, -1)
+
+
+def test_nvfp4_against_torchao_differs_by_a_grid_step_only_at_midpoints() -> None:
+    # docs/fp4.md, "torchao": on the E2M1 sweep at 100 tensor scales, where the block scales agree, values
+    # differ by a whole grid step only at midpoints of the grid, and otherwise by at most 2 FP32 ulps. At
+    # the tensor scale whose encode multiplier is exactly 1 (amax 6), adaloss's values are the
+    # round-to-nearest-even ones, and torchao's fall a step below at the midpoints whose even neighbour is
+    # the upper one.
+    pytest.importorskip("torchao.prototype.mx_formats")
+    from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
+
+    midpoints = (_E2M1_GRID[1:] + _E2M1_GRID[:-1]) / 2
+    gen = torch.Generator().manual_seed(0)
+    units = [1.0] + (10.0 ** torch.empty(99, dtype=torch.float64).uniform_(-6, 6, generator=gen)).tolist()
+    steps, largest = [], 0.0
+    for unit in units:
+        x = (_e2m1_sweep().double() * unit).float()
+        ours = quantize_fp4(x, "nvfp4")
+        theirs = NVFP4Tensor.to_nvfp4(x, per_tensor_scale=per_tensor_amax_to_scale(x.abs().max()))
+        same = (theirs.scale.float().reshape(ours.scales.shape) == ours.scales).repeat_interleave(16, 1)
+        o, d = ours.dequantized[same].double(), theirs.dequantize(torch.float32)[same].double()
+        rel = (o - d).abs() / o.abs().clamp_min(1e-38)
+        step = rel > 1e-5
+        largest = max(largest, rel[~step].max().item())
+        scaled = (x[same].double() / unit)[step]  # where they differ, the element in units of the sweep
+        assert ((scaled.abs().unsqueeze(-1) - midpoints).abs().min(-1).values < 1e-4).all()
+        steps.append(int(step.sum()))
+        if unit == 1.0:
+            exact = x.double().flatten()
+            grid_ix = (exact.abs().unsqueeze(-1) - _E2M1_GRID).abs()
+            nearest = grid_ix == grid_ix.min(-1, keepdim=True).values
+            even = nearest & (torch.arange(8) % 2 == 0)
+            code = torch.where(even.any(-1), even.int().argmax(-1), nearest.int().argmax(-1))
+            nearest_even = exact.sign() * _E2M1_GRID[code]  # the decode scale is 1 to within an FP32 ulp
+            torch.testing.assert_close(ours.dequantized.double().flatten(), nearest_even, rtol=1e-6, atol=0)
+            assert sorted(scaled.tolist()) == [-3.5, -1.75, -0.75, 0.75, 1.75, 3.5]
+    assert sum(steps) > 0 and largest <= 2.4e-7
+
+
+def test_mxfp4_rceil_against_torchao_differs_only_just_above_a_power_of_two() -> None:
+    # docs/fp4.md, "torchao": rceil rounds amax / 6 (FP32) up to a power of two; torchao's log2 keeps the
+    # power of two itself when amax / 6 lies a few ulps above it. Blocks swept over +-40 ulps around 6 * 2^k.
+    pytest.importorskip("torchao.prototype.mx_formats")
+    from torchao.prototype.mx_formats.mx_tensor import ScaleCalculationMode, to_dtype, to_mx
+
+    bits = torch.tensor([6.0 * 2.0**k for k in range(-20, 21)]).view(torch.int32)
+    amax = (bits[:, None] + torch.arange(-40, 41, dtype=torch.int32)).flatten().view(torch.float32)
+    x = (torch.linspace(-1, 1, 32) * amax[:, None]).reshape(-1, 32 * 81)
+    scale, data = to_mx(x, torch.float4_e2m1fn_x2, 32, ScaleCalculationMode.RCEIL)
+    theirs = to_dtype(data, scale, torch.float4_e2m1fn_x2, 32, torch.float32)
+    ours = quantize_fp4(x, "mxfp4", "rceil")
+    differ = (theirs != ours.dequantized).view(-1, 32).any(1)
+    wanted = amax / 6  # FP32, as the rule computes it; rceil's scale is the next power of two at or above it
+    assert torch.equal(ours.scales.flatten(), torch.exp2(torch.ceil(torch.log2(wanted.double()))).float())
+    above = wanted.double() / torch.exp2(torch.floor(torch.log2(wanted.double()))) - 1
+    assert differ.sum() > 0 and (above[differ] > 0).all() and (above[differ] < 8 * 2.0**-23).all()
+
+
 def test_fp4_lab_cells_cross_formats_rounding_hadamard_and_scalers() -> None:
     from adaloss.labs.fp8.fp4 import FP4_MODELS, FP4_SMOKE_CELLS, fp4_cells
 
