@@ -46,7 +46,9 @@ from omegaconf import DictConfig  # noqa: E402
 CONFIG_DIR = ROOT / "configs"
 # configs/paths/default.yaml reads the repository root from here, wherever train.py is launched from.
 os.environ.setdefault("ADALOSS_ROOT", str(ROOT))
-import adaloss  # noqa: E402,F401 - stores the config schemas (adaloss.schemas) in Hydra's ConfigStore
+from adaloss.schemas import register  # noqa: E402
+
+register()  # the config schemas into Hydra's ConfigStore, where configs/*/*.yaml find them
 
 #: Exit status for bad input (as argparse uses for a bad command line).
 BAD_INPUT = 2

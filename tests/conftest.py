@@ -20,11 +20,12 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, open_dict
 
-import adaloss  # noqa: F401 - stores the config schemas in Hydra's ConfigStore
+from adaloss.schemas import register
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = ROOT / "configs"
 os.environ.setdefault("ADALOSS_ROOT", str(ROOT))
+register()  # the config schemas into Hydra's ConfigStore, as train.py does
 
 #: Overrides that make any configuration run in about a second: 2 iterations of batch 4 on 16x16
 #: synthetic images, one evaluation, CPU, no W&B, no progress bar.

@@ -43,10 +43,8 @@ import torch.fx
 from torch import nn
 
 from adaloss.errors import ConfigError
-from adaloss.schemas import STRATEGIES
 
 __all__ = [
-    "STRATEGIES",
     "DistInfo",
     "destroy",
     "init_distributed",
