@@ -28,9 +28,10 @@ test: setup ## run the test suite on the CPU, two pytest workers (12-15 minutes 
 test-full: setup ## run every test, the slow ones included (two pytest workers)
 	$(PY) -m pytest -q -n 2 --dist worksteal tests
 
-lint: setup ## ruff lint and format check
+lint: setup ## ruff lint and format check; the import contracts of the three layers (pyproject.toml)
 	$(VENV)/bin/ruff check src tests scripts train.py
 	$(VENV)/bin/ruff format --check src tests scripts train.py
+	$(VENV)/bin/lint-imports
 
 format: setup ## ruff auto-format and fix
 	$(VENV)/bin/ruff format src tests scripts train.py

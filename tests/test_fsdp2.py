@@ -84,7 +84,7 @@ def _train(kind: str, rank: int, strategy: str) -> dict:
 
 def _steps(kind: str, rank: int, strategy: str) -> dict:
     from adaloss.distributed import DistInfo
-    from adaloss.scalers import build_scaler
+    from adaloss.utils.targets import build_scaler
     from sync_trap import no_host_sync
 
     scaler = build_scaler(OmegaConf.create({"name": "adaptive", "update_every": 2, "rule": "paper"}), None)

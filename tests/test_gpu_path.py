@@ -25,7 +25,7 @@ from torch import nn
 from adaloss.models import build_model
 from adaloss.models.ssd import build_detector
 from adaloss.precision import Precision
-from adaloss.scalers import build_scaler
+from adaloss.utils.targets import build_scaler
 from sync_trap import HostSyncError, no_host_sync, trapped_steps
 
 SCALERS = {

@@ -25,7 +25,8 @@ L = pytest.importorskip("lightning")
 from lightning.pytorch.loggers import Logger  # noqa: E402
 
 from adaloss.integrations.lightning import FabricScalerPrecision, ScalerPrecision  # noqa: E402
-from adaloss.scalers import LossScaler, build_scaler  # noqa: E402
+from adaloss.scalers import LossScaler  # noqa: E402
+from adaloss.utils.targets import build_scaler  # noqa: E402
 from trainer_parity import (  # noqa: E402
     CLIP,
     LOSS_FACTOR,

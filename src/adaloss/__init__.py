@@ -26,7 +26,6 @@ _SCALER_EXPORTS = (
     "FixedLossScaler",
     "LossScaler",
     "NoLossScaler",
-    "build_scaler",
 )
 
 __all__ = ["__version__", *_SCALER_EXPORTS]

@@ -37,8 +37,8 @@ os.environ["ADALOSS_ROOT"] = "/home/user/adaloss"  # what the resolved paths say
 
 from omegaconf import open_dict  # noqa: E402
 
+from adaloss.engine.config import resolved_config  # noqa: E402
 from adaloss.schemas import compose_train  # noqa: E402
-from adaloss.utils import resolved_config  # noqa: E402
 
 
 def classification_config(dataset: str, model: str, variant: str, seed: int, extra: list[str]) -> dict:
