@@ -16,10 +16,10 @@ A missing torchvision (the ``vision`` extra of ``pyproject.toml``) is bad input 
 saying which release to install; so is a Python without hydra or torch (a new shell where ``.venv`` is not
 activated): the line says to activate it, or to run ``make setup`` first (``scripts/_env.py``).
 
-Other endings, each one line and no traceback: a run stopped by a signal (SIGTERM, SIGINT, SIGUSR2, SIGHUP)
-logs where it saved and how to resume, and exits with ``128 + the signal number``; a write into the run
-folder that fails (disk full, read-only, folder deleted) prints ``error:`` and exits with status 1, as a
-diverged run does; a second Ctrl-C stops at once (status 130).
+Other endings, each one line and no traceback: a run stopped by a signal (SIGTERM, SIGINT, SIGUSR2, SIGHUP;
+acknowledged at once by a line of its own) logs where it saved and how to resume, and exits with ``128 +
+the signal number``; a write into the run folder that fails (disk full, read-only, folder deleted) prints
+``error:`` and exits with status 1, as a diverged run does; a second Ctrl-C stops at once (status 130).
 """
 
 from __future__ import annotations

@@ -56,14 +56,17 @@ def load_script(name: str) -> ModuleType:
     return module
 
 
-def slow_train_command(seconds: float) -> list[str]:
+def slow_train_command(seconds: float, hold: Path | None = None) -> list[str]:
     """The command that runs ``train.py`` (append its overrides) with every SGD step sleeping ``seconds``
-    first, so that a run lasts while a test signals it or starts another; it changes no number."""
+    first, so that a run lasts while a test signals it or starts another; it changes no number. With
+    ``hold``, a step also waits while that file exists: the test decides when the iteration may end."""
     code = (
-        "import runpy, sys, time, torch\n"
+        "import os, runpy, sys, time, torch\n"
         "_step = torch.optim.SGD.step\n"
         "def _slow_step(self, *args, **kwargs):\n"
         f"    time.sleep({seconds!r})\n"
+        f"    while {str(hold) if hold else ''!r} and os.path.exists({str(hold) if hold else ''!r}):\n"
+        "        time.sleep(0.01)\n"
         "    return _step(self, *args, **kwargs)\n"
         "torch.optim.SGD.step = _slow_step\n"
         "sys.argv[0] = 'train.py'\n"
