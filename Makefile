@@ -15,12 +15,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	@# the torch and torchvision builds CI tests (from the machines' disk); the package itself takes torch>=2.11
 	$(PY) -m pip install --quiet torch==2.14.1 torchvision==0.29.1
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[runner,test]'
 	@# the docs extra (make docs) from PyPI; without it everything else still works and the site tests skip
 	$(PY) -m pip install --quiet -e '.[docs]' || echo "warning: the docs extra did not install; make docs needs it"
 	@touch $(STAMP)
 
-setup: $(STAMP) ## create .venv (Python 3.11): torch 2.14.1, torchvision 0.29.1 and the dependencies
+setup: $(STAMP) ## create .venv (Python 3.11): torch 2.14.1, torchvision 0.29.1, the package with its runner and test extras
 
 test: setup ## run the test suite on the CPU, two pytest workers (12-15 minutes on 2 shared cores)
 	$(PY) -m pytest -q -n 2 --dist worksteal -m "not slow" tests
@@ -28,9 +28,10 @@ test: setup ## run the test suite on the CPU, two pytest workers (12-15 minutes 
 test-full: setup ## run every test, the slow ones included (two pytest workers)
 	$(PY) -m pytest -q -n 2 --dist worksteal tests
 
-lint: setup ## ruff lint and format check
+lint: setup ## ruff lint and format check; the import contracts of the three layers (pyproject.toml)
 	$(VENV)/bin/ruff check src tests scripts train.py
 	$(VENV)/bin/ruff format --check src tests scripts train.py
+	$(VENV)/bin/lint-imports
 
 format: setup ## ruff auto-format and fix
 	$(VENV)/bin/ruff format src tests scripts train.py

@@ -16,10 +16,10 @@ A missing torchvision (the ``vision`` extra of ``pyproject.toml``) is bad input 
 saying which release to install; so is a Python without hydra or torch (a new shell where ``.venv`` is not
 activated): the line says to activate it, or to run ``make setup`` first (``scripts/_env.py``).
 
-Other endings, each one line and no traceback: a run stopped by a signal (SIGTERM, SIGINT, SIGUSR2, SIGHUP)
-logs where it saved and how to resume, and exits with ``128 + the signal number``; a write into the run
-folder that fails (disk full, read-only, folder deleted) prints ``error:`` and exits with status 1, as a
-diverged run does; a second Ctrl-C stops at once (status 130).
+Other endings, each one line and no traceback: a run stopped by a signal (SIGTERM, SIGINT, SIGUSR2, SIGHUP;
+acknowledged at once by a line of its own) logs where it saved and how to resume, and exits with ``128 +
+the signal number``; a write into the run folder that fails (disk full, read-only, folder deleted) prints
+``error:`` and exits with status 1, as a diverged run does; a second Ctrl-C stops at once (status 130).
 """
 
 from __future__ import annotations
@@ -46,7 +46,9 @@ from omegaconf import DictConfig  # noqa: E402
 CONFIG_DIR = ROOT / "configs"
 # configs/paths/default.yaml reads the repository root from here, wherever train.py is launched from.
 os.environ.setdefault("ADALOSS_ROOT", str(ROOT))
-import adaloss  # noqa: E402,F401 - stores the config schemas (adaloss.schemas) in Hydra's ConfigStore
+from adaloss.schemas import register  # noqa: E402
+
+register()  # the config schemas into Hydra's ConfigStore, where configs/*/*.yaml find them
 
 #: Exit status for bad input (as argparse uses for a bad command line).
 BAD_INPUT = 2

@@ -26,10 +26,10 @@ from _env import require_project_python  # noqa: E402 - standard library only; s
 
 require_project_python()  # a shell without .venv activated: one error: line naming the fix
 
-from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import open_dict  # noqa: E402
 
 from adaloss.engine import train  # noqa: E402
+from adaloss.schemas import compose_train  # noqa: E402
 
 #: (label, overrides) of each run, in table order.
 RUNS: list[tuple[str, list[str]]] = [
@@ -46,8 +46,7 @@ def compose_run(label: str, overrides: list[str], out: Path, max_steps: int | No
     common = ["dataset=digits", "model=resnet20", "device=cpu", f"logger={logger}"]
     if max_steps is not None:
         common.append(f"trainer.max_steps={max_steps}")
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=[*common, *overrides])
+    cfg = compose_train(ROOT / "configs", [*common, *overrides])
     with open_dict(cfg):
         cfg.paths.output_dir = str(out / label)
     return cfg

@@ -40,14 +40,14 @@ def initial_val_loss(cfg) -> float:  # noqa: ANN001 - a DictConfig
 
     from adaloss.data import build_datasets, make_loader
     from adaloss.engine.tasks import build_task
-    from adaloss.precision import Precision
     from adaloss.utils import seed_everything
+    from adaloss.utils.targets import build_precision
 
     seed_everything(int(cfg.seed))
     _, val_set, info = build_datasets(cfg.dataset, cfg.paths.data_dir)
     task = build_task(cfg, info, torch.device("cpu"))
     loader = make_loader(val_set, cfg.trainer.eval_batch_size, train=False, seed=cfg.seed)
-    return task.evaluate(task.model, loader, Precision.from_config(cfg.precision, "cpu")).value
+    return task.evaluate(task.model, loader, build_precision(cfg.precision, "cpu")).value
 
 
 def _cell(values: list[float], digits: int = 3) -> str:

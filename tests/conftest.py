@@ -20,11 +20,12 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, open_dict
 
-import adaloss  # noqa: F401 - stores the config schemas in Hydra's ConfigStore
+from adaloss.schemas import register
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = ROOT / "configs"
 os.environ.setdefault("ADALOSS_ROOT", str(ROOT))
+register()  # the config schemas into Hydra's ConfigStore, as train.py does
 
 #: Overrides that make any configuration run in about a second: 2 iterations of batch 4 on 16x16
 #: synthetic images, one evaluation, CPU, no W&B, no progress bar.
@@ -55,14 +56,17 @@ def load_script(name: str) -> ModuleType:
     return module
 
 
-def slow_train_command(seconds: float) -> list[str]:
+def slow_train_command(seconds: float, hold: Path | None = None) -> list[str]:
     """The command that runs ``train.py`` (append its overrides) with every SGD step sleeping ``seconds``
-    first, so that a run lasts while a test signals it or starts another; it changes no number."""
+    first, so that a run lasts while a test signals it or starts another; it changes no number. With
+    ``hold``, a step also waits while that file exists: the test decides when the iteration may end."""
     code = (
-        "import runpy, sys, time, torch\n"
+        "import os, runpy, sys, time, torch\n"
         "_step = torch.optim.SGD.step\n"
         "def _slow_step(self, *args, **kwargs):\n"
         f"    time.sleep({seconds!r})\n"
+        f"    while {str(hold) if hold else ''!r} and os.path.exists({str(hold) if hold else ''!r}):\n"
+        "        time.sleep(0.01)\n"
         "    return _step(self, *args, **kwargs)\n"
         "torch.optim.SGD.step = _slow_step\n"
         "sys.argv[0] = 'train.py'\n"

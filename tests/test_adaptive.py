@@ -20,9 +20,9 @@ from adaloss.errors import ConfigError
 from adaloss.models import build_model
 from adaloss.numerics import get_format
 from adaloss.precision import Precision
-from adaloss.scalers import build_scaler
 from adaloss.scalers.adaptive import AdaptiveLossScaler
 from adaloss.telemetry import UnderflowMonitor
+from adaloss.utils.targets import build_scaler
 
 FP16 = get_format("fp16")
 

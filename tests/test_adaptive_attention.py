@@ -27,9 +27,9 @@ from adaloss.adaptive.ops import AttentionOperands
 from adaloss.labs.attention_betas.measure import underflow
 from adaloss.labs.attention_betas.model import SIZES, TinyGPT, corpus, sample_batch
 from adaloss.precision import Precision
-from adaloss.scalers import build_scaler
 from adaloss.scalers.adaptive import AdaptiveLossScaler
 from adaloss.telemetry import UnderflowMonitor
+from adaloss.utils.targets import build_scaler
 from conftest import load_script
 
 # ----------------------------------------------------------------------------------------------- models

@@ -16,8 +16,8 @@ import test_generated_models as generated
 from adaloss.adaptive import transform as adaptive_transform
 from adaloss.adaptive.attention import AdaptiveTracer
 from adaloss.adaptive.capture import CapturedForward, capture
-from adaloss.adaptive.exactness import check_gradients
 from adaloss.scalers.adaptive import AdaptiveLossScaler
+from adaloss.scalers.exactness import check_gradients
 from model_generator import GeneratedNet, programs
 
 

@@ -6,7 +6,7 @@ other exactness tests do not list), and the criterion that tells a wrong gradien
   (each norm's output reaches the loss only through a 1x1 convolution and another batch norm in training
   mode, whose input gradient sums to zero per channel), so float64 leaves rounding noise of about 1e-25
   against terms of about 1e-9, and any other order of the same sums, plain backprop's own included, gives
-  other noise. :mod:`adaloss.adaptive.exactness` bounds the error by float64's rounding instead.
+  other noise. :mod:`adaloss.scalers.exactness` bounds the error by float64's rounding instead.
 - MViT v2 (a shape passed along beside the activations; in-place writes by its positional encoding and
   by the leaf function ``_add_shortcut``): crashed, then gave wrong gradients.
 - DeepLabV3 with its auxiliary head unused by the loss: the backward pass raised "no scale reached".
@@ -22,7 +22,7 @@ import torchvision
 from torch import nn
 from torchvision.models.video.mvit import MSBlockConfig, MViT
 
-from adaloss.adaptive.exactness import ParamCheck, check_gradients, compare
+from adaloss.scalers.exactness import ParamCheck, check_gradients, compare
 
 
 def _two_heads() -> nn.Module:

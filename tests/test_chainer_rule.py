@@ -21,8 +21,9 @@ import torch
 from torch import nn
 
 from adaloss.errors import ConfigError
-from adaloss.scalers import DynamicLossScaler, build_scaler
+from adaloss.scalers import DynamicLossScaler
 from adaloss.scalers.dynamic import CHAINER_MAX_SCALE
+from adaloss.utils.targets import build_scaler
 from conftest import compose_train, load_script
 
 
@@ -302,7 +303,7 @@ def test_training_with_the_chainer_rule_follows_chainer_and_resumes_exactly(make
 def test_bad_rule_settings_fail_the_config_check_in_one_line(overrides: list[str], message: str) -> None:
     from omegaconf import open_dict
 
-    from adaloss.utils import validate_config
+    from adaloss.engine.config import validate_config
 
     cfg = compose_train(["scaler=dynamic", *overrides])
     with open_dict(cfg):

@@ -28,11 +28,12 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
-import adaloss  # noqa: F401 - stores the config schemas in Hydra's ConfigStore
+from adaloss.schemas import register
 
 ROOT = Path(__file__).resolve().parents[1]
 SNAPSHOT = ROOT / "tests" / "data" / "config_snapshot.json"
 _ROOT_MARK = "/ROOT"
+register()  # the config schemas into Hydra's ConfigStore, as train.py does
 
 #: The commands the documentation, the Makefile and the scripts run (their overrides; ``-m`` sweeps of an
 #: experiment are expanded into their jobs below).

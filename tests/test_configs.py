@@ -6,8 +6,8 @@ import pytest
 from omegaconf import OmegaConf, open_dict
 
 from adaloss.engine import MultiStepWithWarmup
+from adaloss.engine.config import resolved_config, schedule_length, validate_config
 from adaloss.errors import ConfigError
-from adaloss.utils import resolved_config, schedule_length, validate_config
 from conftest import CONFIG_DIR, compose_train
 
 GROUPS = (

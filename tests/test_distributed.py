@@ -99,7 +99,7 @@ def _train(
     accum: float | None = None,
 ) -> dict:
     """Train one case on this rank's slice of every batch; returns weights, skips and per-step scales."""
-    from adaloss.scalers import build_scaler
+    from adaloss.utils.targets import build_scaler
 
     name, kind, scaler_cfg, inject = case
     cfg = dict(scaler_cfg)

@@ -341,8 +341,8 @@ def test_nvfp4_under_the_adaptive_scaler_runs_its_gemms_in_fp4() -> None:
     # the adaptive scaler replaces each linear layer by its own GEMM node (ScaledGEMM): FP4 runs there too
     from adaloss.models.gpt import GPT
     from adaloss.precision import Precision
-    from adaloss.scalers import build_scaler
     from adaloss.telemetry import UnderflowMonitor
+    from adaloss.utils.targets import build_scaler
 
     torch.manual_seed(0)
     scaler = build_scaler({"name": "adaptive"}, None)

@@ -84,7 +84,7 @@ def test_conv_geometry_pads_same_symmetrically_and_refuses_uneven_padding() -> N
 def _tiny_resnet_step(precision, scaler_name: str, monitor=None):  # noqa: ANN001, ANN202
     """One ResNet-8 step on 8x8 images: the parameters' gradients after the scaler's ``unscale_``."""
     from adaloss.models.cifar_resnet import CifarResNet
-    from adaloss.scalers import build_scaler
+    from adaloss.utils.targets import build_scaler
 
     torch.manual_seed(0)
     # the adaptive scaler with u_min raised to 1e-3: betas above 1 (BF16 alone would need none), and a root

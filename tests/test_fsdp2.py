@@ -69,22 +69,22 @@ def _train(kind: str, rank: int, strategy: str) -> dict:
     from adaloss.adaptive import ops
 
     seen: list[tuple[str, tuple[int, ...]]] = []  # what Algorithm 4's weight statistics read, per GEMM call
-    factors = ops.layer_weight_factors
+    scale = ops.gemm_loss_scale
 
-    def spy(weight, *args):
+    def spy(weight, *args, **kwargs):
         seen.append((type(weight).__name__, tuple(weight.shape)))
-        return factors(weight, *args)
+        return scale(weight, *args, **kwargs)
 
-    ops.layer_weight_factors = spy
+    ops.gemm_loss_scale = spy
     try:
         return {**_steps(kind, rank, strategy), "weights_seen": seen}
     finally:
-        ops.layer_weight_factors = factors
+        ops.gemm_loss_scale = scale
 
 
 def _steps(kind: str, rank: int, strategy: str) -> dict:
     from adaloss.distributed import DistInfo
-    from adaloss.scalers import build_scaler
+    from adaloss.utils.targets import build_scaler
     from sync_trap import no_host_sync
 
     scaler = build_scaler(OmegaConf.create({"name": "adaptive", "update_every": 2, "rule": "paper"}), None)

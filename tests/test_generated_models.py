@@ -1,5 +1,5 @@
 """Exactness on generated architectures: every parameter gradient after ``unscale_`` equals plain backprop's
-in float64 (:mod:`adaloss.adaptive.exactness`), under both rules, on a recompute and a reuse step, with the
+in float64 (:mod:`adaloss.scalers.exactness`), under both rules, on a recompute and a reuse step, with the
 loss scaled down so that betas exceed 1 and alphas differ between branches.
 
 The models come from :mod:`model_generator` (hypothesis strategies; shrinking gives the smallest failing
@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, Phase, event, given, reject, seed, settings
 from adaloss.adaptive import AdaptiveTransformError
 from adaloss.adaptive import ops as adaptive_ops
 from adaloss.adaptive import transform as adaptive_transform
-from adaloss.adaptive.exactness import ExactnessReport, check_gradients
 from adaloss.adaptive.mutation import MutationError
+from adaloss.scalers.exactness import ExactnessReport, check_gradients
 from model_generator import BATCH, CLASSES, KINDS, GeneratedNet, Op, Program, Value, programs
 
 #: Examples per run: ``make test`` / ``make test-full`` (the slow test draws other models).

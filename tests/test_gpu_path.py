@@ -22,10 +22,9 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from adaloss.models import build_model
-from adaloss.models.ssd import build_detector
+from adaloss.models import build_detector, build_model
 from adaloss.precision import Precision
-from adaloss.scalers import build_scaler
+from adaloss.utils.targets import build_scaler
 from sync_trap import HostSyncError, no_host_sync, trapped_steps
 
 SCALERS = {

@@ -18,9 +18,9 @@ transformers = pytest.importorskip("transformers")
 
 from adaloss.adaptive import AdaptiveTransformError  # noqa: E402
 from adaloss.adaptive.capture import CaptureError  # noqa: E402
-from adaloss.adaptive.exactness import check_gradients  # noqa: E402
 from adaloss.errors import ConfigError  # noqa: E402
 from adaloss.scalers.adaptive import AdaptiveLossScaler  # noqa: E402
+from adaloss.scalers.exactness import check_gradients  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 VOCAB = 100
@@ -332,7 +332,7 @@ def _checkpointed_gradients(model, batches, seed=0, rule="reference") -> tuple[l
     """Per step (a recompute on the first batch, reuses on the others, one attach): the checks of the
     gradients after ``unscale_`` of a float64 copy of ``model`` with gradient checkpointing on against
     plain backprop of a float64 copy without it, and the alphas of the recompute step."""
-    from adaloss.adaptive.exactness import _cast, _gradients, _grads, compare
+    from adaloss.scalers.exactness import _cast, _gradients, _grads, compare
 
     reference, noisy = copy.deepcopy(model).double(), copy.deepcopy(model).float()
     scaler = AdaptiveLossScaler(update_every=len(batches), rule=rule)

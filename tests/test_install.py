@@ -1,9 +1,12 @@
-"""The package beside the user's torch: torch is a range and torchvision an extra (``pyproject.toml``).
+"""The package beside the user's torch: torch is its one required dependency (``pyproject.toml``).
 
-* ``import adaloss`` and the scalers need no torchvision, and ``train.py`` without it says in one line what
-  to install;
+* the library (``import adaloss``, the scalers, the adaptive core, numerics, precision, telemetry) imports
+  with the runner's packages (Hydra, OmegaConf, W&B) and the optional ones (torchvision, Lightning,
+  transformers) unimportable, and imports none of them;
+* ``train.py`` without torchvision says in one line what to install;
 * (slow) a fresh virtual environment holding torch 2.13.0 (the CPU wheel on the lab machines' disk, older than
-  the 2.14.1 CI runs) takes the package and its dependencies, and keeps its torch.
+  the 2.14.1 CI runs) takes the package without extras, keeps its torch, gains no other package, and the
+  library imports and scales a step there.
 """
 
 from __future__ import annotations
@@ -21,6 +24,29 @@ from conftest import ROOT, TINY
 #: Blocks ``import torchvision`` in a child process, as if it were not installed.
 NO_TORCHVISION = "import sys; sys.modules['torchvision'] = None\n"
 
+#: The runner's packages and the optional integrations: the library must import without any of them.
+NOT_THE_LIBRARYS = ("hydra", "omegaconf", "wandb", "torchvision", "lightning", "transformers")
+
+#: Makes every package of ``NOT_THE_LIBRARYS`` unimportable in a child process, as if it were not installed
+#: (a meta-path finder first in line that raises ModuleNotFoundError for them and their submodules).
+ONLY_TORCH = f"""import importlib.abc, sys
+class _Absent(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {NOT_THE_LIBRARYS!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+        return None
+sys.meta_path.insert(0, _Absent())
+"""
+
+#: The library's modules, and a check that none of ``NOT_THE_LIBRARYS`` came with them.
+LIBRARY_IMPORTS = f"""import sys
+import adaloss, adaloss.scalers, adaloss.adaptive, adaloss.numerics, adaloss.precision, adaloss.telemetry
+import adaloss.errors, adaloss.distributed
+from adaloss import AdaptiveLossScaler, DynamicLossScaler, FixedLossScaler, NoLossScaler
+loaded = sorted({{n.split(".")[0] for n in sys.modules}} & set({NOT_THE_LIBRARYS!r}))
+print("loaded:", *loaded)
+"""
+
 
 def _child(code: str, *args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -33,7 +59,7 @@ def _child(code: str, *args: str, cwd: Path = ROOT) -> subprocess.CompletedProce
 def test_the_core_imports_without_torchvision() -> None:
     code = NO_TORCHVISION + (
         "import adaloss, adaloss.scalers, adaloss.distributed, adaloss.precision\n"
-        "from adaloss import AdaptiveLossScaler, build_scaler\n"
+        "from adaloss import AdaptiveLossScaler\n"
         "try:\n"
         "    import torchvision\n"
         "except ImportError:\n"
@@ -42,6 +68,24 @@ def test_the_core_imports_without_torchvision() -> None:
     proc = _child(code)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.splitlines() == ["no torchvision"]  # the block worked, and nothing needed it
+
+
+def test_the_library_imports_with_torch_alone() -> None:
+    """With Hydra, OmegaConf, W&B, torchvision, Lightning and transformers unimportable, the library imports,
+    and ``sys.modules`` then holds none of them."""
+    proc = _child(ONLY_TORCH + LIBRARY_IMPORTS)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == ["loaded:"], proc.stdout
+    blocked = _child(ONLY_TORCH + "import omegaconf")  # the finder itself works
+    assert blocked.returncode == 1 and "No module named 'omegaconf'" in blocked.stderr, blocked.stderr[-3000:]
+
+
+def test_the_library_imports_none_of_the_runners_packages_even_when_installed() -> None:
+    """In this environment, where they are installed, the library still imports none of the runner's
+    packages (torchvision aside: the adaptive core recognises its modules when it is installed)."""
+    proc = _child(LIBRARY_IMPORTS)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() in (["loaded:"], ["loaded:", "torchvision"]), proc.stdout
 
 
 def test_train_py_without_torchvision_is_one_error_line(tmp_path: Path) -> None:
@@ -69,8 +113,9 @@ def _sources(to: Path) -> Path:
 
 @pytest.mark.slow
 def test_a_fresh_venv_with_an_older_torch_installs_the_package_and_keeps_its_torch(tmp_path: Path) -> None:
-    """torch 2.13.0 installs from the wheel on disk (pip's find-links); the other dependencies come from the
-    package index or pip's cache. No --system-site-packages: the venv must not see this one's torch 2.14.1."""
+    """torch 2.13.0 installs from the wheel on disk (pip's find-links); the package without extras adds
+    nothing to it (torch is its one requirement), and the library imports and scales a step there. No
+    --system-site-packages: the venv must not see this one's torch 2.14.1 nor its Hydra."""
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
     python = str(venv / "bin" / "python")
@@ -81,20 +126,32 @@ def test_a_fresh_venv_with_an_older_torch_installs_the_package_and_keeps_its_tor
         assert proc.returncode == 0, proc.stderr[-3000:]
 
     pip("torch==2.13.0")  # the user's torch
+    before = set(_distributions(python))
     pip(str(_sources(tmp_path / "adaloss")))  # the package, with every dependency it declares
-    code = (
-        "import importlib.metadata as md, torch, adaloss, adaloss.scalers\n"
-        "from adaloss import AdaptiveLossScaler\n"
-        "print(torch.__version__, md.version('adaloss'), md.version('hydra-core'))\n"
-        "try:\n"
-        "    md.version('torchvision')\n"
-        "except md.PackageNotFoundError:\n"
-        "    print('no torchvision')\n"
+    assert set(_distributions(python)) - before == {"adaloss"}  # no Hydra, W&B, numpy, ...: torch is enough
+    code = LIBRARY_IMPORTS + (
+        "import importlib.metadata as md, torch\n"
+        "print(torch.__version__, md.version('adaloss'))\n"
+        "model = torch.nn.Linear(3, 2)\n"
+        "scaler = FixedLossScaler(scale=8.0)\n"
+        "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "scaler.scale(model(torch.ones(4, 3)).sum()).backward()\n"
+        "scaler.step(optimizer)\n"
+        "scaler.update()\n"
+        "print(model.weight.grad.tolist() == [[4.0, 4.0, 4.0], [4.0, 4.0, 4.0]])\n"
     )
     proc = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
-    torch_version, adaloss_version, hydra_version = lines[0].split()
+    assert lines[0] == "loaded:", lines  # none of the runner's packages, nor torchvision
+    torch_version, adaloss_version = lines[1].split()
     assert torch_version.startswith("2.13.0"), lines  # still the user's torch, not replaced
-    assert adaloss_version == "0.1.0" and hydra_version.startswith("1.3."), lines
-    assert lines[1:] == ["no torchvision"], lines  # pip pulled in no torchvision (and no torch with it)
+    assert adaloss_version == "0.1.0", lines
+    assert lines[2] == "True", lines  # the gradients are unscaled: the library works, not only imports
+
+
+def _distributions(python: str) -> list[str]:
+    """The names of the distributions installed in the environment of ``python``."""
+    code = "import importlib.metadata as md\nfor d in md.distributions(): print(d.metadata['Name'].lower())"
+    proc = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    return proc.stdout.split()

@@ -14,8 +14,8 @@ from torch import nn
 from adaloss.errors import ConfigError
 from adaloss.models import build_model
 from adaloss.precision import Precision
-from adaloss.scalers import build_scaler
 from adaloss.scalers.adaptive import AdaptiveLossScaler
+from adaloss.utils.targets import build_scaler
 
 ROOTS = ("fixed", "dynamic", "adaptive")
 

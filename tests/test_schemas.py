@@ -22,10 +22,10 @@ from omegaconf import open_dict
 
 from adaloss.data import DatasetInfo, TensorImageDataset
 from adaloss.engine import train
+from adaloss.engine.config import validate_config
 from adaloss.errors import ConfigError
 from adaloss.logging import NullLogger
 from adaloss.scalers import FixedLossScaler
-from adaloss.utils import validate_config
 from conftest import ROOT, TINY, compose_train
 
 # ------------------------------------------------------------------------ every group rejects bad input

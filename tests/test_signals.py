@@ -15,6 +15,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -144,12 +145,16 @@ CLI_RUN = ("dataset=digits", "dataset.image_size=8", "trainer.batch_size=32", "t
            "scaler=dynamic", "scaler.growth_interval=8")  # fmt: skip
 
 
-def _cli(run_dir: Path, *overrides: str, step_sleep: float = 0.0) -> subprocess.Popen[str]:
+def _cli(
+    run_dir: Path, *overrides: str, step_sleep: float = 0.0, hold: Path | None = None
+) -> subprocess.Popen[str]:
     """``train.py`` in a child process; ``step_sleep`` > 0 makes each iteration last at least that long
-    (SGD's step sleeps first), so that a signal sent after the first logged rows surely arrives mid-run."""
+    (SGD's step sleeps first), so that a signal sent after the first logged rows surely arrives mid-run;
+    with ``hold``, no iteration ends while that file exists (:func:`conftest.slow_train_command`)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
     env.pop("HYDRA_FULL_ERROR", None)
-    start = slow_train_command(step_sleep) if step_sleep else [sys.executable, "train.py"]
+    slow = step_sleep or hold is not None
+    start = slow_train_command(step_sleep, hold) if slow else [sys.executable, "train.py"]
     command = [*start, *overrides, f"hydra.run.dir={run_dir}"]
     return subprocess.Popen(
         command,
@@ -182,6 +187,46 @@ def _wait_for_rows(proc: subprocess.Popen[str], run_dir: Path, rows: int) -> Non
     while _rows(run_dir) < rows and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
     assert proc.poll() is None, "the run ended before the signal"
+
+
+class _Output:
+    """The run's output, read line by line as it comes (a thread), so that a test can wait for a line."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.proc, self.lines, self.arrived = proc, [], threading.Condition()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            with self.arrived:
+                self.lines.append(line)
+                self.arrived.notify_all()
+        with self.arrived:
+            self.lines.append(None)  # the end
+            self.arrived.notify_all()
+
+    def wait_for(self, text: str, deadline_s: float = 240) -> str:
+        """The first line holding ``text``, once the run printed it. The deadline only bounds a failure
+        (the run ended, or hangs, without printing it); success never waits for a time."""
+        with self.arrived:
+            found = self.arrived.wait_for(
+                lambda: None in self.lines or any(line and text in line for line in self.lines), deadline_s
+            )
+            match = next((line for line in self.lines if line and text in line), None)
+        if match is None:
+            self.proc.kill()
+            shown = "".join(line for line in self.lines if line)[-3000:]
+            raise AssertionError(
+                f"the run {'ended' if found else 'hangs'} without printing {text!r}: {shown}"
+            )
+        return match
+
+    def finish(self, timeout: float = 120) -> str:
+        """Everything the run printed, once it has ended."""
+        self.proc.wait(timeout=timeout)
+        self.reader.join(timeout=timeout)
+        return "".join(line for line in self.lines if line)
 
 
 def _signal(proc: subprocess.Popen[str], signum: int, run_dir: Path) -> None:
@@ -252,13 +297,18 @@ def test_every_stop_signal_on_the_command_line(tmp_path: Path) -> None:
 
 
 def test_a_second_ctrl_c_stops_at_once_with_one_line(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    proc = _cli(run_dir, *CLI_RUN, step_sleep=0.5)  # half a second per iteration
-    _wait_for_rows(proc, run_dir, 1)
+    """No timing: the run cannot finish its iteration (the hold file), and the second Ctrl-C is sent only
+    once the run has said it received the first (two signals sent before the handler runs are one)."""
+    run_dir, hold = tmp_path / "run", tmp_path / "hold"
+    hold.touch()
+    proc = _cli(run_dir, *CLI_RUN, hold=hold)
+    output = _Output(proc)
+    output.wait_for("trainer][INFO] - ")  # training has begun: the run's handlers are installed
     proc.send_signal(signal.SIGINT)
-    time.sleep(0.1)
+    acknowledged = output.wait_for("SIGINT received: stopping after this iteration")
+    assert acknowledged.endswith("with a checkpoint; Ctrl-C again stops at once\n"), acknowledged
     proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=120)
+    out = output.finish()
     assert proc.returncode == 128 + signal.SIGINT, out[-3000:]
     assert "Traceback" not in out
     lines = [line for line in out.splitlines() if line.startswith("interrupted: stopped at once")]

@@ -8,13 +8,12 @@ import torch
 import torch.fx as fx
 
 from adaloss.errors import ConfigError
-from adaloss.models import build_model
+from adaloss.models import build_detector, build_model
 from adaloss.models.ssd import (
     SSD_CONFIGS,
     VGG_LAYER_NAMES,
     SSDBackbone,
     SSDDetector,
-    build_detector,
     feature_map_sizes,
     load_backbone_weights,
     lsuv_init_,

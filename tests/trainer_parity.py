@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from adaloss.precision import Precision
-from adaloss.scalers import LossScaler, build_scaler
+from adaloss.scalers import LossScaler
+from adaloss.utils.targets import build_scaler
 
 SCALERS = {
     "none": {"name": "none"},

@@ -5,6 +5,11 @@ layer-wise scaler with no scaling, a fixed scale and dynamic backoff. See ``docs
 
 The four scalers are importable from here (``from adaloss import AdaptiveLossScaler``), as from
 ``adaloss.scalers``. They are looked up on first access, so ``import adaloss`` alone does not import torch.
+
+This package is the library layer's face (``docs/architecture.md``, "Layers"): importing it, the scalers, the
+adaptive core, numerics, precision or telemetry needs torch and the standard library only. The runner (the
+engine, configs and their schemas, logging) needs the ``runner`` extra; it stores the config schemas in
+Hydra's ConfigStore itself (``adaloss.schemas.register``, called by ``train.py`` and ``compose_train``).
 """
 
 from __future__ import annotations
@@ -14,11 +19,6 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-# The config schemas (src/adaloss/schemas.py) go into Hydra's ConfigStore, where configs/*/*.yaml find them.
-from adaloss import schemas as _schemas  # noqa: E402
-
-_schemas.register()
-
 #: Names re-exported from ``adaloss.scalers`` on first access (PEP 562).
 _SCALER_EXPORTS = (
     "AdaptiveLossScaler",
@@ -26,7 +26,6 @@ _SCALER_EXPORTS = (
     "FixedLossScaler",
     "LossScaler",
     "NoLossScaler",
-    "build_scaler",
 )
 
 __all__ = ["__version__", *_SCALER_EXPORTS]

@@ -33,6 +33,7 @@ the same steps, and the adaptive scaler all-reduces its statistics so every rank
 
 from __future__ import annotations
 
+import datetime
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -41,12 +42,11 @@ import torch
 import torch.distributed as dist
 import torch.fx
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from adaloss.errors import ConfigError
-from adaloss.schemas import STRATEGIES
 
 __all__ = [
-    "STRATEGIES",
     "DistInfo",
     "destroy",
     "init_distributed",
@@ -259,8 +259,6 @@ def init_distributed(device: str | None = None, timeout_s: float | None = None) 
         )
     kwargs = {}
     if timeout_s is not None:
-        import datetime
-
         kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(backend=backend, rank=rank, world_size=world_size, **kwargs)
     return DistInfo(rank, world_size, local_rank, dev)
@@ -283,8 +281,6 @@ def wrap_model(model: nn.Module, info: DistInfo, **ddp_kwargs) -> nn.Module:
         return model
     if not dist.is_initialized():
         raise RuntimeError("wrap_model: call init_distributed() first (torch.distributed is not initialized)")
-    from torch.nn.parallel import DistributedDataParallel
-
     if info.device.type == "cuda":
         return DistributedDataParallel(
             model, device_ids=[info.device.index], output_device=info.device.index, **ddp_kwargs

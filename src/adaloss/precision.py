@@ -42,6 +42,7 @@ counting only for an FP32 run), because only there can a gradient be seen both b
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -163,18 +164,6 @@ class Precision:
         #: The FP4 GEMM operands' state (``precision=nvfp4`` / ``mxfp4``; None otherwise).
         self.fp4 = _fp4_gemm(name, fp4_options, self.device)
 
-    @classmethod
-    def from_config(cls, cfg: Any, device: str | torch.device, telemetry_format: str = "fp16") -> Precision:
-        """Build from the ``precision`` config group: ``hydra.utils.instantiate`` on its ``_target_`` (this
-        class, or one of the user's), with ``device`` and ``telemetry_format`` where it takes them. A plain
-        mapping (``{"name": "fp16"}``) is typed by the precision schema (:mod:`adaloss.schemas`) first.
-        ``ConfigError`` for an unknown key, a wrong type or a value out of range."""
-        from adaloss.schemas import typed
-        from adaloss.utils.targets import build_target
-
-        fill = {"device": device, "telemetry_format": telemetry_format}
-        return build_target("precision", typed("precision", cfg), example="precision=fp16", fill=fill)
-
     def state_dict(self) -> dict[str, Any]:
         """The gradient quantizer's state (delayed scaling's amax histories and scales; tensors), for the
         checkpoint; empty for FP32."""
@@ -275,12 +264,11 @@ def _fp4_gemm(name: str, options: dict[str, Any], device: torch.device) -> FP4Ge
 
 
 def _plain(value: Any) -> Any:
-    """A config node as plain Python (an OmegaConf mapping becomes a dict); other values unchanged."""
-    try:
-        from omegaconf import DictConfig, OmegaConf
-    except ImportError:  # pragma: no cover - omegaconf comes with hydra
-        return value
-    return OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) else value
+    """A mapping that is not a dict (a config node: OmegaConf's DictConfig) as a dict, its values likewise;
+    other values unchanged. The runner passes plain values already (``build_target`` converts them)."""
+    if isinstance(value, Mapping) and not isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    return value
 
 
 def _channels_last_4d(model: nn.Module) -> None:

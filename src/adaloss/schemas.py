@@ -27,15 +27,18 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
+from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from adaloss.errors import ConfigError
 
-__all__ = ["FieldError", "arguments", "check_config", "register", "schema_of"]
+__all__ = ["FieldError", "arguments", "check_config", "compose_train", "register", "schema_of"]
 
 
 class FieldError(ValueError):
@@ -974,11 +977,21 @@ SCHEMAS: tuple[tuple[str, str, type], ...] = (
 
 def register() -> None:
     """Store every schema in Hydra's ConfigStore (idempotent): ``train_schema`` for ``configs/train.yaml``
-    and ``schema/<group>/<name>`` for the options. Called on ``import adaloss``."""
+    and ``schema/<group>/<name>`` for the options. The runner's entry points call it before Hydra composes
+    (``train.py``, :func:`compose_train`, the tests' ``conftest.py``); ``import adaloss`` does not, so the
+    library imports without Hydra."""
     store = ConfigStore.instance()
     store.store(name="train_schema", node=TrainConf)
     for group, name, node in SCHEMAS:
         store.store(group=f"schema/{group}", name=name, node=node)
+
+
+def compose_train(config_dir: str | Path, overrides: Sequence[str] = ()) -> DictConfig:
+    """``configs/train.yaml`` composed with ``overrides`` in this process (Hydra's compose API), as
+    ``python train.py <overrides>`` would compose it, the schemas registered first."""
+    register()
+    with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+        return compose(config_name="train", overrides=list(overrides))
 
 
 # --------------------------------------------------------------------------------------------- checking

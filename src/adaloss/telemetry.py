@@ -52,6 +52,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from adaloss.errors import ConfigError
 from adaloss.numerics.emulation import Probe
 from adaloss.numerics.formats import FloatFormat, get_format
@@ -187,8 +189,6 @@ class UnderflowMonitor:
             self.last_expected_loss_scale = {}
             self.last_storage = {}
             return {}
-        import torch
-
         kth_names = [n for n in names if self._probes[n].kth is not None]
         values = [self._probes[n].underflow.float() for n in names]
         values += [self._probes[n].kth.float() for n in kth_names]
@@ -228,8 +228,6 @@ class UnderflowMonitor:
 def _storage_row(probe: Probe):
     """``[saturated, scale_min, scale_max, signal, noise, underflow]`` of one probe as a float64 tensor (NaN
     where a quantity was never recorded); stacked with the other counts for the one host sync."""
-    import torch
-
     nan = torch.tensor(float("nan"), dtype=torch.float64, device=probe.underflow.device)
     parts = [probe.saturated, probe.scale_min, probe.scale_max, probe.signal, probe.noise, probe.underflow]
     return torch.stack([nan if t is None else t.detach().double().reshape(()) for t in parts])

@@ -47,11 +47,12 @@ import torch.nn.functional as F
 
 from adaloss.adaptive.rules import (
     ScaleRule,
+    Statistics,
     branch_loss_scale,
+    gemm_bounds,
     gemm_loss_scale,
-    grad_stats,
-    layer_weight_factors,
     max_magnitude,
+    statistics,
 )
 from adaloss.adaptive.state import (
     AdaptiveState,
@@ -394,20 +395,11 @@ def _point_beta(
 def gemm_beta(
     state: AdaptiveState, point: GemmPoint, w: torch.Tensor, delta: torch.Tensor, alpha_j: torch.Tensor
 ) -> torch.Tensor:
-    """Algorithm 4 at GEMM point ``point`` on device tensors: the weight's factors
-    (:func:`adaloss.adaptive.rules.layer_weight_factors`, with the layer's constants for this gradient's
-    size), the gradient's statistics (all-reduced under DDP), then
-    :func:`adaloss.adaptive.rules.gemm_loss_scale`. No host sync and no host-to-device copy."""
-    rule = state.rule
-    a, b = point.constants
-    factors = layer_weight_factors(w, rule.lower_constant(a, delta.numel()), b, rule.caps)
-    stats = grad_stats(delta, alpha_j, torch.ones((), dtype=factors.dtype, device=delta.device))
-    if state.reduce_fn is not None:
-        n_g = delta.numel()
-        ms_g, max_g = state.reduce_fn(stats[0].square() / n_g, stats[1])
-        max_g = max_g.reshape(())
-        stats = torch.stack([torch.sqrt(ms_g * n_g).reshape(()), max_g, max_g, stats[3], stats[4]])
-    return gemm_loss_scale(w, delta, rule, factors=factors, stats=stats)
+    """Algorithm 4 at GEMM point ``point``: :func:`adaloss.adaptive.rules.gemm_loss_scale` with the point's
+    constants, the gradient's statistics all-reduced under DDP. No host sync and no host-to-device copy."""
+    return gemm_loss_scale(
+        w, delta, state.rule, alpha_in=alpha_j, constants=point.constants, reduce_fn=state.reduce_fn
+    )
 
 
 def _to_root(
@@ -562,8 +554,10 @@ def product_beta(
     alpha_in: torch.Tensor | float,
     reduce_fn: Any = None,
 ) -> torch.Tensor:
-    """The beta of an activation-by-activation product: Algorithm 4 for each input gradient the product
-    makes, with the other operand in the weight's place, combined into one scale for all of them.
+    """The beta of an activation-by-activation product: Algorithm 4's bounds for each input gradient the
+    product makes, with the other operand in the weight's place (:func:`adaloss.adaptive.rules.statistics`,
+    :func:`~adaloss.adaptive.rules.gemm_bounds`), combined into one scale for all of them
+    (:meth:`~adaloss.adaptive.rules.ScaleRule.beta`).
 
     ``pairs``: per input gradient ``(operand, multiplier, F, delta)``: the operand it is multiplied by (times
     the Python float ``multiplier``, e.g. attention's ``1/sqrt(d)``), its backward fan-in, and the gradient it
@@ -579,43 +573,28 @@ def product_beta(
     ops; no host sync.
     """
     lowers, uppers = [], []
-    seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # a tensor in several pairs is read once
+    seen: dict[int, Statistics] = {}  # a tensor in several pairs is read once
 
-    def norm_and_max(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def stats(t: torch.Tensor) -> Statistics:
         if id(t) not in seen:
-            seen[id(t)] = _norm_and_max(t, reduce_fn)
+            seen[id(t)] = statistics(_dense_on_cpu(t), reduce_fn)
         return seen[id(t)]
 
     for w, multiplier, fan_in, delta in pairs:
         a_const, b_const = rule.layer_constants(w.numel(), fan_in)
-        (w_norm, w_max), (d_norm, d_max) = norm_and_max(w), norm_and_max(delta)
-        lowers.append((a_const / multiplier) * math.sqrt(delta.numel()) / (w_norm * d_norm))
-        uppers.append((b_const / multiplier) / (w_max * d_max))
-    lower = torch.stack(lowers).amax()
-    upper = torch.stack(uppers).amin()
-    # the rule's 5-vectors (ScaleRule): q = [lower, upper, upper, scale cap, accumulation cap / alpha_in]
-    scale_cap, accum_cap = rule.caps
-    factors = torch.stack([lower, upper, upper, lower.new_full((), scale_cap), lower.new_full((), accum_cap)])
-    alpha = alpha_in.reshape(1).to(lower.dtype) if isinstance(alpha_in, torch.Tensor) else None
-    stats = torch.cat([lower.new_ones(4), alpha if alpha is not None else lower.new_full((1,), alpha_in)])
-    return rule.beta(factors, stats)
+        lower_constant = rule.lower_constant(a_const / multiplier, delta.numel())
+        lower, upper = gemm_bounds(stats(w), stats(delta), lower_constant, b_const / multiplier)
+        lowers.append(lower)
+        uppers.append(upper)
+    return rule.beta(torch.stack(lowers).amax(), torch.stack(uppers).amin(), alpha_in)
 
 
-def _norm_and_max(t: torch.Tensor, reduce_fn: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(||t||, max|t|)`` in the statistics dtype; over all ranks with ``reduce_fn``. On the CPU a strided
-    view (the heads of a split projection) is copied first: the norm's strided CPU path takes 3.5x the copy
-    and the norm together (tiny GPT's keys, 131,072 floats: 117 us against 33 us, one core). Elsewhere the
-    view is reduced as it is (unmeasured there, and the copy would be one more pass)."""
-    red = None if t.dtype in (torch.float32, torch.float64) else torch.float32
-    if t.device.type == "cpu" and not t.is_contiguous():
-        t = t.contiguous()
-    norm = torch.linalg.vector_norm(t, dtype=red)
-    top = max_magnitude(t).to(norm.dtype)
-    if reduce_fn is not None:
-        n = t.numel()
-        ms, top = reduce_fn(norm.square() / n, top)
-        norm, top = torch.sqrt(ms * n).reshape(()), top.reshape(())
-    return norm, top
+def _dense_on_cpu(t: torch.Tensor) -> torch.Tensor:
+    """``t``, copied first if it is a strided view on the CPU (the heads of a split projection): the norm's
+    strided CPU path takes 3.5x the copy and the norm together (tiny GPT's keys, 131,072 floats: 117 us
+    against 33 us, one core). Elsewhere the view is reduced as it is (unmeasured there, and the copy would
+    be one more pass)."""
+    return t.contiguous() if t.device.type == "cpu" and not t.is_contiguous() else t
 
 
 class _Operands:

@@ -3,8 +3,13 @@
 A reader holding the paper finds here, by name:
 
 * **Algorithm 4**, ``GetGEMMLossScale``, with the post-processing of section 3.2.3: :func:`gemm_loss_scale`
-  (device tensors, no host sync) and its two parts, :func:`weight_factors` (the weight's statistics) and
-  :meth:`ScaleRule.beta` (the gradient's statistics, the bounds, the power-of-two rounding).
+  (device tensors, no host sync), in three steps each written once: :func:`statistics` (a tensor's
+  ``||x||`` and ``max|x|``), :func:`gemm_bounds` (the underflow and overflow bounds from the weight's and
+  the gradient's statistics) and :meth:`ScaleRule.beta` (the bounds and caps combined by the rule and
+  rounded down to a power of two). A GEMM layer calls :func:`gemm_loss_scale`; an activation-by-activation
+  product (:func:`adaloss.adaptive.ops.product_beta`) calls the three steps with the other operand in the
+  weight's place; the root scale (``AdaptiveLossScaler.root_target``) calls the last two with the loss
+  gradient's counted quantile as its lower bound.
 * **Algorithm 5**, ``GetBranchLossScale``: :func:`branch_loss_scale`.
 
 Each is written once, in torch ops, and runs on every device (the CPU emulation included); nothing here
@@ -40,11 +45,10 @@ How the arithmetic is arranged, for few kernels per point: with ``ms(x) = ||x||^
     upper = B / max|W| / max|delta|,             B = u_max / F_u
 
 with ``c_F = sqrt(F / 2)`` and ``F_u = F`` under ``reference``, both 1 under ``paper``. ``A`` and ``B`` depend
-only on the layer (:meth:`ScaleRule.layer_constants`), so they are computed once and moved to the device
-when the scaler is armed, never during a backward pass; the weight's part, ``[A / ||W||, B / max|W|,
-B / max|W|]`` (:func:`weight_factors`), is computed once per recompute pass for all layers together; the
-gradient's part, ``[||delta||, |min delta|, |max delta|]``, comes from one pass over the gradient.
-Every step after that is one float32 operation (:meth:`ScaleRule.beta`).
+only on the layer (:meth:`ScaleRule.layer_constants`), so they are computed once, when the transform makes
+the layer's point, as Python floats: constants of a traced graph, filled into device tensors where they
+are used (no host-to-device copy). The statistics are two reductions per tensor (:func:`statistics`);
+every step after that is one float32 (float64 for float64 weights) operation.
 """
 
 from __future__ import annotations
@@ -53,17 +57,20 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 __all__ = [
     "RULES",
     "ScaleRule",
+    "Statistics",
     "backward_fan_in",
     "branch_loss_scale",
-    "max_magnitude",
+    "gemm_bounds",
     "gemm_loss_scale",
-    "weight_factors",
+    "max_magnitude",
+    "statistics",
 ]
 
 #: The values of ``scaler.rule``.
@@ -118,17 +125,16 @@ class ScaleRule:
     i.e. :data:`NO_BOUND`). ``allow_below_one`` applies to the ``paper`` rule only (the ``reference`` rule
     lets beta fall below 1 through its overflow and accumulation bounds alone).
 
-    How the steps are arranged (:meth:`beta`): the weight's factors and the gradient's statistics are
-    5-vectors ``f = [A sqrt(n_g) / ||W||, B / max|W|, B / max|W|, scale cap, accumulation cap]`` and ``s =
-    [||delta||, max|delta|, max|delta|, 1, alpha_in]``; ``q = |f / s|`` holds the lower bound, the overflow
-    bound twice and the two caps, an infinite or NaN ``q`` is read as 1 (an all-zero gradient or weight has
-    no statistics: scale 1, as in the authors' code; a NaN gradient: 1), and then
+    How the steps are arranged (:meth:`beta`): from the lower (underflow) bound and the upper (overflow)
+    bound of :func:`gemm_bounds`, ``q = |[lower, upper, scale cap, accumulation cap / alpha_in]|``, an
+    infinite or NaN ``q`` read as 1 (an all-zero gradient or weight has no statistics: scale 1, as in the
+    authors' code; a NaN gradient: 1), and then
 
-    * ``reference``: ``beta = min(max(q0, 1), q1, q2, q3, q4)``;
-    * ``paper``: ``beta = min(max(min(q0, q1, q2), 1), q3, q4)`` (no ``max(., 1)`` with ``allow_below_one``);
+    * ``reference``: ``beta = min(max(q0, 1), q1, q2, q3)``;
+    * ``paper``: ``beta = min(max(min(q0, q1), 1), q2, q3)`` (no ``max(., 1)`` with ``allow_below_one``);
 
     rounded down to a power of two (a subnormal result becomes 0: only an infinite gradient, whose step is
-    skipped, gives one). On a device that is 9 kernels per layer (``reference``; 11 for ``paper``).
+    skipped, gives one).
     """
 
     name: str
@@ -169,30 +175,41 @@ class ScaleRule:
         """``A sqrt(n_g)``: the lower bound's constant for a gradient of ``n_g`` elements, in double."""
         return a * math.sqrt(n_g)
 
-    def beta(self, factors: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
-        """Algorithm 4's beta from the weight's factors and the gradient's statistics (5-vectors, see the
-        class docstring; same dtype and device), bounded and rounded down to a power of two (section
-        3.2.3). A 0-dim tensor; no host sync; 7 kernels (``paper``: 9), 9 and 11 with the statistics."""
-        q = torch.nan_to_num((factors / stats).abs_(), nan=1.0, posinf=1.0)
+    def beta(
+        self,
+        lower: torch.Tensor,
+        upper: torch.Tensor,
+        alpha_in: torch.Tensor | float = 1.0,
+        caps: tuple[float, float] | None = None,
+    ) -> torch.Tensor:
+        """Algorithm 4's last step (section 3.2.3): beta from the underflow bound ``lower`` and the overflow
+        bound ``upper`` (0-dim tensors of one dtype and device, :func:`gemm_bounds`), combined by the rule,
+        capped by ``caps`` (``(scale cap, accumulation cap)``, default :attr:`caps`; the accumulation cap
+        bounds ``alpha_in * beta``) and rounded down to a power of two. A 0-dim tensor; no host sync."""
+        scale_cap, accum_cap = self.caps if caps is None else caps
+        alpha = alpha_in if isinstance(alpha_in, torch.Tensor) else torch.full_like(lower, alpha_in)
+        accum = lower.new_full((), accum_cap) / alpha.reshape(()).to(lower.dtype)
+        q = torch.stack([lower, upper, lower.new_full((), scale_cap), accum])
+        q = torch.nan_to_num(q.abs_(), nan=1.0, posinf=1.0)
         if self.reference:
             beta = torch.maximum(q, _low_like(q)).amin()
         else:
-            beta = q[:3].amin()
+            beta = q[:2].amin()
             if not self.allow_below_one:
                 beta = beta.clamp(min=1.0)
-            beta = torch.minimum(beta, q[3:].amin())
+            beta = torch.minimum(beta, q[2:].amin())
         return floor_pow2(beta)
 
 
 @functools.lru_cache(maxsize=8)
 def _low(dtype: torch.dtype, device: str) -> torch.Tensor:
-    """``[1, 0, 0, 0, 0]``: the reference rule's ``max(q0, 1)`` as one elementwise maximum. Made once per
+    """``[1, 0, 0, 0]``: the reference rule's ``max(q0, 1)`` as one elementwise maximum. Made once per
     device and dtype, by a fill on the device (no host-to-device copy)."""
     return _make_low(dtype, torch.device(device))
 
 
 def _make_low(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    low = torch.zeros(5, dtype=dtype, device=device)
+    low = torch.zeros(4, dtype=dtype, device=device)
     low[:1].fill_(1.0)
     return low
 
@@ -222,49 +239,6 @@ def floor_pow2(x: torch.Tensor) -> torch.Tensor:
     return torch.bitwise_and(x.view(int_dtype), bits).view(x.dtype)
 
 
-def weight_factors(weights: list[torch.Tensor], table: torch.Tensor) -> torch.Tensor:
-    """The weight's part of Algorithm 4 for several GEMM layers: a ``[len(weights), 5]`` tensor whose row i
-    is ``[A'_i / ||W_i||, B_i / max|W_i|, B_i / max|W_i|, scale cap, accumulation cap]`` (see
-    :class:`ScaleRule`; ``B`` twice: it is divided by ``|min delta|`` and ``|max delta|``). ``table`` is the
-    ``[len(weights), 4]`` tensor of ``(A'_i, B_i, scale cap, accumulation cap)`` on the weights' device, in
-    the statistics' dtype (float32 for low-precision weights, which are reduced in float32; float64 for
-    float64 weights), with ``A' = A sqrt(n_g)`` (:meth:`ScaleRule.lower_constant`). One ``_foreach_norm``,
-    one ``_foreach_abs`` and one ``_foreach_max`` call and a few vector ops for all the layers (weights
-    are never empty); no host sync, no host-to-device copy.
-    """
-    w0 = weights[0]
-    red = None if w0.dtype in (torch.float32, torch.float64) else torch.float32
-    if len(weights) == 1:
-        norms = torch.linalg.vector_norm(w0, dtype=red).reshape(1)
-        maxs = max_magnitude(w0).reshape(1)
-    else:
-        norms = torch.stack(torch._foreach_norm(weights, 2, dtype=red))
-        # three ops for all the layers, as fast on the CPU as one aminmax per weight (ResNet-20's 20
-        # weights: 162 us against 169 us; the infinity norm's CPU path takes 6.4 ms)
-        maxs = torch.stack(torch._foreach_max(torch._foreach_abs(weights))).to(norms.dtype)
-    upper = table[:, 1] / maxs
-    return torch.stack([table[:, 0] / norms, upper, upper, table[:, 2], table[:, 3]], dim=1)
-
-
-def layer_weight_factors(
-    weight: torch.Tensor, lower_constant: float, upper_constant: float, caps: tuple[float, float]
-) -> torch.Tensor:
-    """The weight's part of Algorithm 4 for one GEMM layer, the 5-vector ``[A' / ||W||, B / max|W|, B /
-    max|W|, scale cap, accumulation cap]`` of :class:`ScaleRule` (``A' = A sqrt(n_g)``,
-    :meth:`ScaleRule.lower_constant`), in float32 (float64 for a float64 weight). The constants are
-    filled into device tensors (no host-to-device copy) and rounded there once, as a stored table of
-    them would be. Two reductions and a few 0-dim ops; no host sync."""
-    red = None if weight.dtype in (torch.float32, torch.float64) else torch.float32
-    norm = torch.linalg.vector_norm(weight, dtype=red)
-    top = max_magnitude(weight).to(norm.dtype)
-    upper = torch.full_like(norm, upper_constant) / top
-    scale_cap, accum_cap = caps
-    return torch.stack(
-        [torch.full_like(norm, lower_constant) / norm, upper, upper, norm.new_full((), scale_cap),
-         norm.new_full((), accum_cap)]
-    )  # fmt: skip
-
-
 def max_magnitude(x: torch.Tensor) -> torch.Tensor:
     """``max|x|`` as a 0-dim tensor (float32 for half-precision tensors, else ``x``'s dtype); NaN if ``x``
     holds one, 0 if it is empty. No host sync.
@@ -284,15 +258,41 @@ def max_magnitude(x: torch.Tensor) -> torch.Tensor:
     return torch.maximum(high, low.neg()).to(dtype)
 
 
-def grad_stats(delta: torch.Tensor, alpha_in: torch.Tensor | float, one: torch.Tensor) -> torch.Tensor:
-    """``[||delta||, max|delta|, max|delta|, 1, alpha_in]`` (float32 for low-precision gradients, else the
-    gradient's dtype): the gradient's part of Algorithm 4 (:class:`ScaleRule`). ``one`` is a 0-dim 1 on
-    the gradient's device (made when the scaler was armed). Three kernels; no host sync."""
-    red = None if delta.dtype in (torch.float32, torch.float64) else torch.float32
-    norm = torch.linalg.vector_norm(delta, dtype=red)
-    peak = max_magnitude(delta)
-    alpha = alpha_in if isinstance(alpha_in, torch.Tensor) else torch.full_like(one, alpha_in)
-    return torch.stack([norm, peak, peak, one, alpha.reshape(())]).to(norm.dtype)
+@dataclass(frozen=True)
+class Statistics:
+    """What Algorithm 4 reads of a tensor: ``norm = ||x||`` and ``peak = max|x|``, 0-dim device tensors in
+    the statistics dtype (float32 for half-precision tensors, else the tensor's). Of a weight, the paper's
+    ``sigma_w^2 + mu_w^2 = norm^2 / n`` and the overflow bound's ``max|W|``; of a gradient, likewise."""
+
+    norm: torch.Tensor
+    peak: torch.Tensor
+
+
+def statistics(x: torch.Tensor, reduce_fn: Any = None) -> Statistics:
+    """``||x||`` and ``max|x|`` of ``x``: two reductions; no host sync. ``reduce_fn(mean_square, peak)``,
+    when given (``torch.distributed``: the gradients and activations differ between ranks), combines the
+    second moment and the peak over the ranks first."""
+    red = None if x.dtype in (torch.float32, torch.float64) else torch.float32
+    norm = torch.linalg.vector_norm(x, dtype=red)
+    peak = max_magnitude(x).to(norm.dtype)
+    if reduce_fn is not None:
+        n = x.numel()
+        mean_square, peak = reduce_fn(norm.square() / n, peak)
+        norm, peak = torch.sqrt(mean_square * n).reshape(()), peak.reshape(())
+    return Statistics(norm, peak)
+
+
+def gemm_bounds(
+    weight: Statistics, grad: Statistics, lower_constant: float, upper_constant: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Algorithm 4's two bounds on beta (module docstring): the underflow bound ``lower = A' / ||W|| /
+    ||delta||`` (``A' = A sqrt(n_g)``, :meth:`ScaleRule.lower_constant`: at most ``T_uf`` of the products
+    ``W delta`` fall below ``u_min``) and the overflow bound ``upper = B / max|W| / max|delta|`` (no
+    product passes ``u_max``). The constants are filled into device tensors (no host-to-device copy), in
+    the weight statistics' dtype; a few 0-dim ops; no host sync."""
+    lower = torch.full_like(weight.norm, lower_constant) / weight.norm / grad.norm
+    upper = torch.full_like(weight.peak, upper_constant) / weight.peak / grad.peak
+    return lower, upper
 
 
 def gemm_loss_scale(
@@ -301,26 +301,28 @@ def gemm_loss_scale(
     rule: ScaleRule,
     fan_in: int | None = None,
     alpha_in: torch.Tensor | float = 1.0,
-    factors: torch.Tensor | None = None,
-    stats: torch.Tensor | None = None,
+    constants: tuple[float, float] | None = None,
+    reduce_fn: Any = None,
 ) -> torch.Tensor:
     """Algorithm 4 (``GetGEMMLossScale``) with section 3.2.3's post-processing: the beta of one layer.
 
     ``delta`` is the incoming gradient (already scaled by ``alpha_in``); ``fan_in`` defaults to
-    ``weight.shape[0]`` (a linear layer). ``factors`` and ``stats`` may come precomputed (5-vectors, see
-    :func:`weight_factors` and :func:`grad_stats`); then ``weight``, ``fan_in`` and ``alpha_in`` are not
-    read. No host sync; makes the layer's constants with a host-to-device copy unless ``factors`` is given
-    (the scaler's backward pass always gives them).
+    ``weight.shape[0]`` (a linear layer). ``constants``: the layer's ``(A, B)``
+    (:meth:`ScaleRule.layer_constants`), when known (the scaler's points hold them; then ``fan_in`` is
+    not read). ``reduce_fn``: the gradient's statistics over the ranks (:func:`statistics`). The
+    statistics (:func:`statistics`), the bounds (:func:`gemm_bounds`), beta (:meth:`ScaleRule.beta`).
+    No host sync, no host-to-device copy.
     """
-    dtype = torch.float64 if weight.dtype is torch.float64 else torch.float32
-    if factors is None:
-        f = backward_fan_in("linear", weight.shape) if fan_in is None else fan_in
-        a, b = rule.layer_constants(weight.numel(), f)
-        row = [rule.lower_constant(a, delta.numel()), b, *rule.caps]
-        factors = weight_factors([weight], torch.tensor([row], dtype=dtype, device=weight.device))[0]
-    if stats is None:
-        stats = grad_stats(delta, alpha_in, torch.ones((), dtype=dtype, device=delta.device))
-    return rule.beta(factors, stats.to(factors.dtype))
+    if constants is None:
+        constants = rule.layer_constants(
+            weight.numel(), backward_fan_in("linear", weight.shape) if fan_in is None else fan_in
+        )
+    a, b = constants
+    w = statistics(weight)
+    g = statistics(delta, reduce_fn)
+    g = Statistics(g.norm.to(w.norm.dtype), g.peak.to(w.norm.dtype))
+    lower, upper = gemm_bounds(w, g, rule.lower_constant(a, delta.numel()), b)
+    return rule.beta(lower, upper, alpha_in)
 
 
 # ----------------------------------------------------------------------------------------- Algorithm 5

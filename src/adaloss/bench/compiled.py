@@ -39,7 +39,7 @@ def build(
     the tiny ``gpt``), a maker of synthetic batches and a loss; seeded, on ``device``."""
     torch.manual_seed(0)
     if name == "ssd300":
-        from adaloss.models.ssd import build_detector
+        from adaloss.models import build_detector
 
         net = build_detector({"name": "ssd300", "image_size": 64}, num_classes=3).net.to(device)
 

@@ -56,8 +56,8 @@ class Runner:
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
     ) -> None:
         from adaloss.precision import Precision
-        from adaloss.scalers import build_scaler
         from adaloss.telemetry import UnderflowMonitor
+        from adaloss.utils.targets import build_scaler
 
         self.spec = spec
         self.replica = replica

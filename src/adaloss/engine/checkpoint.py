@@ -50,9 +50,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from omegaconf import DictConfig
 
 from adaloss.distributed import DistInfo, rank_seed
+from adaloss.engine.run_folder import writing
+from adaloss.engine.run_key import check_config_key, config_key, key_differences, model_differences
 from adaloss.errors import ConfigError
 from adaloss.logging.metrics import write_atomic
 from adaloss.utils.seed import capture_rng_state, restore_rng_state, seed_everything
@@ -159,65 +160,6 @@ def _weights_only_reason(error: BaseException) -> str:
     text = str(error)
     after = text.split("WeightsUnpickler error:", 1)[-1].strip()
     return (after.splitlines()[0] if after else _first_sentence(error))[:200]
-
-
-def config_key(cfg: DictConfig, steps: int | None) -> dict[str, Any]:
-    """The config fields a checkpoint must be resumed with (``steps``: the iterations of the run; None
-    leaves that field out, for a comparison made before the data fixes the run length).
-
-    Everything else (learning rate, scaler hyperparameters, logging cadence, ...) may change on resume.
-    """
-    key = {
-        "model": str(cfg.model.name),
-        "dataset": str(cfg.dataset.name),
-        "scaler": str(cfg.scaler.name),
-        "precision": str(cfg.precision.name),
-        "batch_size": int(cfg.trainer.batch_size),
-        "seed": int(cfg.seed),
-    }
-    if steps is not None:
-        key["steps"] = int(steps)
-    return key
-
-
-# Config keys behind each config_key field, for the error message's fix.
-_KEY_SETTINGS = {
-    "model": "model",
-    "dataset": "dataset",
-    "scaler": "scaler",
-    "precision": "precision",
-    "batch_size": "trainer.batch_size",
-    "seed": "seed",
-    "steps": "trainer.max_steps",
-}
-
-
-def key_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
-    """The saved run's :func:`config_key` fields that differ from ``current``'s, as overrides
-    (``seed=0``); only the fields both hold are compared."""
-    return [f"{_KEY_SETTINGS[k]}={saved[k]}" for k in current if k in saved and saved[k] != current[k]]
-
-
-def model_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
-    """The saved run's ``model`` settings that differ from ``current``'s, as overrides
-    (``model.hidden=[256,256]``); only the settings both hold are compared."""
-    return [f"model.{k}={_value(saved[k])}" for k in sorted(saved) if k in current and saved[k] != current[k]]
-
-
-def check_config_key(
-    saved: Mapping[str, Any], current: Mapping[str, Any], path: Path | None = None, where: str | None = None
-) -> None:
-    """``ConfigError`` naming every field in which the saved run (checkpoint ``path``, or ``where``)
-    differs from this one."""
-    differ = [k for k in current if k in saved and saved[k] != current[k]]
-    if not differ:
-        return
-    theirs = " ".join(f"{_KEY_SETTINGS[k]}={saved[k]}" for k in differ)
-    ours = ", ".join(f"{_KEY_SETTINGS[k]}={current[k]}" for k in differ)
-    raise ConfigError(
-        f"{where or f'checkpoint {path}'} belongs to a different run ({theirs}; this run has {ours}): "
-        f"resume with {theirs}, or start a fresh run in a new folder (hydra.run.dir=<new folder>)"
-    )
 
 
 def check_model_shapes(state: Mapping[str, Any], model: Any, path: Path, config: Mapping[str, Any]) -> None:
@@ -391,8 +333,6 @@ class CheckpointManager:
         Raises :class:`~adaloss.engine.run_folder.RunFolderError` (one line) when the write fails: a full
         disk, a read-only folder, the folder deleted during the save. The earlier checkpoints stay as
         they were, and no partial file is left."""
-        from adaloss.engine.run_folder import writing
-
         path = self.folder / f"step_{step}.pt"
         with writing("checkpoint", path):
             save_atomic(state, path)
@@ -408,8 +348,6 @@ class CheckpointManager:
         at the same step. Cost: DCP's planning collectives, one file per rank, two barriers."""
         import torch.distributed.checkpoint as dcp
 
-        from adaloss.engine.run_folder import writing
-
         final = shards_of(self.folder / f"step_{step}.pt")
         temporary = final.with_name(f".{final.name}.tmp")
         ranks = parts.ranks
@@ -423,15 +361,6 @@ class CheckpointManager:
             if ranks.is_main:
                 shutil.rmtree(final, ignore_errors=True)  # a set-aside history's shards of the same step
                 os.replace(temporary, final)
-
-
-def _value(value: Any) -> str:
-    """A config value as an override writes it: ``[256,256]``, ``true``, ``null``, ``0.1``."""
-    if isinstance(value, list | tuple):
-        return "[" + ",".join(_value(v) for v in value) + "]"
-    if isinstance(value, bool) or value is None:
-        return {True: "true", False: "false", None: "null"}[value]
-    return str(value)
 
 
 def _in_folder(folder: Path) -> str:

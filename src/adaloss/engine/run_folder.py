@@ -3,7 +3,7 @@ start writes once it is allowed to.
 
 A run folder (``paths.output_dir``, Hydra's ``hydra.run.dir``) holds the record of exactly one run:
 ``metrics.json``, ``model.pt``, ``telemetry.jsonl``, ``scalars.csv``, ``checkpoints/``, the W&B files,
-``run_key.json`` (the settings that identify the run, :func:`adaloss.engine.checkpoint.config_key`),
+``run_key.json`` (the settings that identify the run, :func:`adaloss.engine.run_key.config_key`),
 ``.hydra/`` (the composed config) and, written last, the ``done`` marker. :class:`RunFolder` enforces that:
 
 * **Lock.** A live run holds ``<run dir>/.lock`` with ``fcntl.flock``; a second process on the folder is
@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from adaloss.engine.run_key import check_config_key, key_differences, model_differences
 from adaloss.errors import ConfigError
 from adaloss.logging.metrics import write_atomic, write_json_atomic
 
@@ -372,15 +373,13 @@ class RunFolder:
     def check(self, setting: Any, key: Mapping[str, Any], resumed: Any) -> None:
         """Refuse a start that would write into another run's record (``ConfigError``).
 
-        ``setting`` is ``cfg.resume``; ``key`` this run's :func:`~adaloss.engine.checkpoint.config_key`;
+        ``setting`` is ``cfg.resume``; ``key`` this run's :func:`~adaloss.engine.run_key.config_key`;
         ``resumed`` the checkpoint it continues from (a :class:`~adaloss.engine.checkpoint.Resume`) or None.
         An empty folder takes any start. A folder with a record takes only a resume (``resume=auto`` or a
         file) whose settings equal the recorded ones.
         """
         if not self.enabled:
             return
-        from adaloss.engine.checkpoint import check_config_key
-
         record = self.record()
         if not record:
             return
@@ -473,10 +472,8 @@ class FinishedRun:
 
     def differences(self, key: Mapping[str, Any], config: Mapping[str, Any]) -> list[str]:
         """The finished run's settings that differ from this start's, as overrides (``seed=0``,
-        ``model.hidden=[256,256]``): the fields of ``key`` (:func:`adaloss.engine.checkpoint.config_key`)
+        ``model.hidden=[256,256]``): the fields of ``key`` (:func:`adaloss.engine.run_key.config_key`)
         and the ``model`` section of the resolved ``config``. Empty: this start is that run."""
-        from adaloss.engine.checkpoint import key_differences, model_differences
-
         if self.key is None:
             return [f"{KEY_FILE} unreadable"]
         theirs = (self.metrics.get("config") or {}).get("model") or {}

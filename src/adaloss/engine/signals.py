@@ -12,11 +12,16 @@ Handlers that were installed before the run are kept in the chain. submitit's (i
 the checkpoint the trainer calls it, so submitit still requeues (and exits) on SIGUSR2, and on SIGTERM the
 run goes on, as submitit intends. A signal the parent set to be ignored (``nohup`` ignores SIGHUP) stays
 ignored. A second Ctrl-C stops at once, without the checkpoint (``KeyboardInterrupt``).
+
+Each signal is acknowledged at once with one line on stderr (``SIGINT received: stopping after this
+iteration, with a checkpoint; Ctrl-C again stops at once``), so a user, or a test, sees that it arrived
+before the iteration ends.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from collections.abc import Callable
@@ -89,6 +94,7 @@ class StopRequests:
             raise KeyboardInterrupt  # Ctrl-C twice: the user does not want to wait for the step
         if signum not in self.pending:
             self.pending.append(signum)
+            _acknowledge(signum)
 
     def names(self) -> str:
         return " and ".join(signal.Signals(s).name for s in self.pending)
@@ -109,3 +115,16 @@ class StopRequests:
         chained, self.pending = self.chained(), []
         for signum, handler in chained:
             handler(signum, None)
+
+
+def _acknowledge(signum: int) -> None:
+    """One line on stderr saying what the signal will do. Written with ``os.write``, not ``print`` or the
+    logger: a signal handler may run in the middle of a write to ``sys.stderr``, whose buffer refuses a
+    reentrant call."""
+    line = f"{signal.Signals(signum).name} received: stopping after this iteration, with a checkpoint"
+    if signum == signal.SIGINT:
+        line += "; Ctrl-C again stops at once"
+    try:
+        os.write(2, (line + "\n").encode())
+    except OSError:  # stderr closed: the stop itself still happens
+        pass

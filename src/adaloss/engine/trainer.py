@@ -78,6 +78,7 @@ from adaloss.engine.checkpoint import (
     save_atomic,
 )
 from adaloss.engine.compiling import StepCompiler
+from adaloss.engine.config import resolved_config, schedule_length, validate_config
 from adaloss.engine.faults import DivergenceGuard, GradientFaults, SkippedStepReport, TrainingDiverged
 from adaloss.engine.optim import build_optimizer, build_schedule
 from adaloss.engine.run_folder import (
@@ -96,11 +97,12 @@ from adaloss.logging import NullLogger, ProgressBar, TelemetryLog, build_logger,
 from adaloss.logging.run_log import ScalarLog, progress_line, run_name_on_log_lines
 from adaloss.precision import Precision
 from adaloss.provenance import collect_provenance
-from adaloss.scalers import LossScaler, build_scaler
+from adaloss.scalers import LossScaler
 from adaloss.schemas import DistributedConf
 from adaloss.telemetry import UnderflowMonitor
-from adaloss.utils import resolved_config, schedule_length, seed_everything, select_device, validate_config
+from adaloss.utils import seed_everything, select_device
 from adaloss.utils.allocator import tune_cpu_allocator
+from adaloss.utils.targets import build_precision, build_scaler
 
 log = logging.getLogger(__name__)
 
@@ -278,7 +280,7 @@ def _build(cfg: DictConfig, run_dir: Path, config: dict[str, Any], ranks: DistIn
 
     # ---- loss scaler, precision (this order: the adaptive scaler returns a transformed model, whose GEMM
     # layers the precision then names for telemetry)
-    precision = Precision.from_config(cfg.precision, ranks.device, telemetry_format=str(cfg.telemetry.format))
+    precision = build_precision(cfg.precision, ranks.device, telemetry_format=str(cfg.telemetry.format))
     precision.apply_tf32()  # FP32 stays FP32 on Ampere+ GPUs unless precision.allow_tf32=true
     provenance = collect_provenance(ranks.device, precision)  # code, packages, hardware: for metrics.json
     # The scaler guards the gradients, so it needs the gradient format (fp8_e5m2 differs from the

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 
 from adaloss.reports.measurement import ROOT
+from adaloss.schemas import compose_train
 
 #: What each variant adds to ``model=gpt dataset=pystdlib``.
 VARIANTS = {
@@ -26,10 +26,7 @@ VARIANTS = {
 def compose_run(variant: str, seed: int, overrides: list[str], out: Path):  # noqa: ANN201 - a DictConfig
     """The run's config, its folder ``<out>/<variant>_seed<seed>``."""
     common = ["model=gpt", "dataset=pystdlib", "device=cpu", "logger=none", "trainer.progress_bar=false"]
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        cfg = compose(
-            config_name="train", overrides=[*common, *VARIANTS[variant], f"seed={seed}", *overrides]
-        )
+    cfg = compose_train(ROOT / "configs", [*common, *VARIANTS[variant], f"seed={seed}", *overrides])
     with open_dict(cfg):
         cfg.paths.output_dir = str(out / f"{variant}_seed{seed}")
     return cfg

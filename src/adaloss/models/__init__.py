@@ -33,11 +33,11 @@ from adaloss.errors import ConfigError
 from adaloss.models.cifar_resnet import CifarResNet, ShortcutA
 from adaloss.models.gpt import GPT, GPTConfig
 from adaloss.models.mlp import MLP
-from adaloss.models.ssd import DETECTION_MODEL_NAMES, SSDDetector, build_detector
+from adaloss.models.ssd import DETECTION_MODEL_NAMES, SSDDetector
 from adaloss.models.vgg import VGGNoBN
 from adaloss.models.vit import ViT
 from adaloss.schemas import SCHEMAS, check_node, schema_of
-from adaloss.utils.targets import build_target, config_items
+from adaloss.utils.targets import build_target, config_items, locate_target, target_parameters
 
 __all__ = [
     "DETECTION_MODEL_NAMES",
@@ -193,10 +193,18 @@ def build_model(
     return model
 
 
+def build_detector(cfg: Any, num_classes: int) -> SSDDetector:
+    """The detector of a ``model`` config for ``num_classes`` object classes: ``{"name": "ssd512",
+    "image_size": 128}`` is ``configs/model/ssd512.yaml`` with that image size (the defaults are the
+    model schema's, :class:`adaloss.schemas.SSDConf`); :func:`build_model` builds it."""
+    detector = build_model(cfg, num_classes)
+    if not isinstance(detector, SSDDetector):
+        raise ConfigError(f"model {dict(cfg).get('name')!r} is not an SSD detector: choose ssd300 or ssd512")
+    return detector
+
+
 def _required_only(cfg: Any, values: dict[str, Any]) -> dict[str, Any]:
     """The entries of ``values`` whose parameter in the target has no default."""
-    from adaloss.utils.targets import locate_target, target_parameters
-
     target = config_items(cfg).get("_target_")
     signature = target_parameters(locate_target("model", target, _EXAMPLE))
     if signature is None:

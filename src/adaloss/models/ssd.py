@@ -70,7 +70,6 @@ __all__ = [
     "SSDConfig",
     "SSDDetector",
     "SSDNet",
-    "build_detector",
     "ssd_detector",
     "load_backbone_weights",
     "lsuv_init_",
@@ -301,7 +300,7 @@ class SSDDetector(nn.Module):
 
     Example::
 
-        detector = build_detector({"name": "ssd512", "image_size": 128}, num_classes=3)
+        detector = adaloss.models.build_detector({"name": "ssd512", "image_size": 128}, num_classes=3)
         net = scaler.attach(detector.net)
         for images, targets in loader:            # adaloss.data.detection.detection_collate
             with precision.autocast():
@@ -596,18 +595,6 @@ def default_boxes(config: SSDConfig, image_size: int, grid_sizes: Sequence[tuple
     images = ImageList(torch.empty(1, 0, image_size, image_size), [(image_size, image_size)])
     maps = [torch.empty(0, 0, h, w) for h, w in grid_sizes]
     return generator(images, maps)[0]
-
-
-def build_detector(cfg: Any, num_classes: int) -> SSDDetector:
-    """The detector of a ``model`` config for ``num_classes`` object classes: ``{"name": "ssd512",
-    "image_size": 128}`` is ``configs/model/ssd512.yaml`` with that image size (the defaults are the
-    model schema's, :class:`adaloss.schemas.SSDConf`); :func:`adaloss.models.build_model` builds it."""
-    from adaloss.models import build_model
-
-    detector = build_model(cfg, num_classes)
-    if not isinstance(detector, SSDDetector):
-        raise ConfigError(f"model {dict(cfg).get('name')!r} is not an SSD detector: choose ssd300 or ssd512")
-    return detector
 
 
 def ssd_detector(

@@ -42,6 +42,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from adaloss.numerics.formats import FloatFormat, round_to_format, round_to_format_
+from adaloss.numerics.fp4_gemm import FP4Conv2d, FP4Linear, conv_geometry
 from adaloss.numerics.quantizers import GradQuantizer, GradSite, QuantStats, quantize_grad
 
 __all__ = ["EmulatedAutocast", "active_emulation", "suspended", "Probe", "LayerNames"]
@@ -614,8 +615,6 @@ class EmulatedAutocast(TorchFunctionMode):
         with ``groups=1`` through :class:`~adaloss.numerics.fp4_gemm.FP4Conv2d`, the output stored in the
         base format (its gradient too, before FP4 quantizes it; the probe is FP4's); None for any other
         GEMM (it stays in the base format)."""
-        from adaloss.numerics.fp4_gemm import FP4Conv2d, FP4Linear, conv_geometry
-
         names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
         if op == "linear":
             x, w, b = (*args, *(kwargs.get(n) for n in names[len(args) : 3]))

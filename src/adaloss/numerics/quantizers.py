@@ -41,6 +41,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from adaloss.errors import ConfigError
 from adaloss.numerics.formats import FloatFormat, round_to_format
@@ -311,8 +312,6 @@ def reduce_amax(amax: torch.Tensor) -> torch.Tensor:
     outside data parallelism). A NaN amax counts as Inf, so a rank's non-finite amax reaches every rank
     whatever the backend does with NaN in a max, and the recipes' fallbacks treat both alike. Every rank
     must quantize the same sequence of gradients (the same model): each call is one collective."""
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return amax
     reduced = torch.where(torch.isnan(amax), math.inf, amax)

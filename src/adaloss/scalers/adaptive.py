@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from adaloss.adaptive.coverage import Coverage, build_coverage, recurrent_layers
-from adaloss.adaptive.rules import NO_BOUND, REFERENCE_FP16_U_MIN, RULES, ScaleRule
+from adaloss.adaptive.rules import NO_BOUND, REFERENCE_FP16_U_MIN, RULES, ScaleRule, Statistics, gemm_bounds
 from adaloss.adaptive.state import AdaptiveState, GradSignature
 from adaloss.adaptive.transform import attach_adaptive
 from adaloss.errors import ConfigError
@@ -681,9 +681,12 @@ class AdaptiveLossScaler(LossScaler):
                 break
         lower = 2.0**lower_exp if lower_exp is not None else NO_BOUND
         cap = self.rule.caps[1]
-        factors = torch.tensor([lower, self.u_max, self.u_max, cap, cap], dtype=torch.float64)
-        stats = torch.tensor([1.0, peak, peak, 1.0, 1.0], dtype=torch.float64)
-        return min(max(float(self.rule.beta(factors, stats)), _ROOT_FLOOR), NO_BOUND)
+        # Algorithm 4's bounds and rule as a layer's: the loss gradient in the gradient's place, no weight
+        # (statistics 1), its counted quantile as the underflow bound's constant
+        one = torch.ones((), dtype=torch.float64)
+        unit, grad = Statistics(one, one), Statistics(one, torch.tensor(peak, dtype=torch.float64))
+        bounds = gemm_bounds(unit, grad, lower, self.u_max)
+        return min(max(float(self.rule.beta(*bounds, caps=(cap, cap))), _ROOT_FLOOR), NO_BOUND)
 
     # ------------------------------------------------------------------ telemetry
 

@@ -1,7 +1,7 @@
-"""Small helpers the engine needs: seeding, device selection, config checks."""
+"""Small helpers the runner needs: seeding, device selection, building a part from its config group
+(``targets``). The checks on a composed config are :mod:`adaloss.engine.config`."""
 
-from adaloss.utils.config import resolved_config, schedule_length, validate_config
 from adaloss.utils.device import select_device
 from adaloss.utils.seed import seed_everything
 
-__all__ = ["resolved_config", "schedule_length", "seed_everything", "select_device", "validate_config"]
+__all__ = ["seed_everything", "select_device"]

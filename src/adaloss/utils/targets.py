@@ -24,8 +24,19 @@ from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from adaloss.errors import ConfigError
+from adaloss.numerics import FloatFormat
+from adaloss.precision import Precision
+from adaloss.scalers import LossScaler
+from adaloss.schemas import arguments, schema_of, typed
 
-__all__ = ["build_target", "config_items", "locate_target", "target_parameters"]
+__all__ = [
+    "build_precision",
+    "build_scaler",
+    "build_target",
+    "config_items",
+    "locate_target",
+    "target_parameters",
+]
 
 #: Hydra's own keys (``_args_``, ``_recursive_``, ...): passed to ``instantiate`` untouched.
 _SPECIAL = frozenset({"_target_", "_partial_", "_convert_", "_recursive_", "_args_"})
@@ -116,8 +127,6 @@ def build_target(
     Any failure (not importable, not callable, missing or unexpected arguments, an exception in the
     constructor) is one ``ConfigError`` naming the target and the fix. Cost: one import and one call.
     """
-    from adaloss.schemas import arguments, schema_of
-
     items = {**(defaults or {}), **(arguments(cfg) if schema_of(cfg) else config_items(cfg))}
     if schema_of(cfg) is None:  # a plain mapping (a YAML file read as it is: its defaults list is Hydra's)
         items = {k: v for k, v in items.items() if k not in {*metadata, "defaults"}}
@@ -155,6 +164,37 @@ def build_target(
     except Exception as error:  # noqa: BLE001 - the target's own complaint about its arguments
         raise _call_error(group, path, error) from None
     return made
+
+
+def build_scaler(cfg: Mapping[str, Any], fmt: FloatFormat | None = None) -> LossScaler:
+    """The loss scaler of a ``scaler`` config: ``hydra.utils.instantiate`` on its ``_target_``, with ``fmt``
+    (the training gradient format; ``None`` for FP32) if the class takes it (the adaptive scaler scales
+    against its smallest subnormal).
+
+    ``cfg``: the composed ``scaler`` node (typed by its schema, :mod:`adaloss.schemas`), or a plain
+    mapping: ``{"name": "fixed", "scale": 8}`` takes the schema of that name, ``{"_target_": ...}`` is the
+    class's own. Raises ``ConfigError`` for an unknown name or key, a wrong type or a value out of range.
+    """
+    node = typed("scaler", cfg)
+    scaler = build_target(
+        "scaler", node, example="scaler=custom scaler._target_=my_pkg.MyScaler", fill={"fmt": fmt}
+    )
+    if not isinstance(scaler, LossScaler):
+        raise ConfigError(
+            f"scaler._target_={node.get('_target_')} made a {type(scaler).__name__}, not a LossScaler: "
+            "subclass adaloss.scalers.LossScaler (torch.amp.GradScaler's interface)"
+        )
+    return scaler
+
+
+def build_precision(cfg: Any, device: str | Any, telemetry_format: str = "fp16") -> Precision:
+    """The precision of a ``precision`` config: ``hydra.utils.instantiate`` on its ``_target_``
+    (:class:`~adaloss.precision.Precision`, or one of the user's), with ``device`` and ``telemetry_format``
+    where it takes them. A plain mapping (``{"name": "fp16"}``) is typed by the precision schema
+    (:mod:`adaloss.schemas`) first. ``ConfigError`` for an unknown key, a wrong type or a value out of
+    range."""
+    fill = {"device": device, "telemetry_format": telemetry_format}
+    return build_target("precision", typed("precision", cfg), example="precision=fp16", fill=fill)
 
 
 def _check_binding(group: str, path: str, obj: Any, args: tuple, kwargs: dict[str, Any]) -> None:

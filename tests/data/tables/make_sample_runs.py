@@ -35,16 +35,15 @@ REPO = HERE.parents[2]
 OUT = HERE / "runs"
 os.environ["ADALOSS_ROOT"] = "/home/user/adaloss"  # what the resolved paths say in the records
 
-from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import open_dict  # noqa: E402
 
-from adaloss.utils import resolved_config  # noqa: E402
+from adaloss.engine.config import resolved_config  # noqa: E402
+from adaloss.schemas import compose_train  # noqa: E402
 
 
 def classification_config(dataset: str, model: str, variant: str, seed: int, extra: list[str]) -> dict:
     overrides = [f"dataset={dataset}", f"model={model}", f"+variant={variant}", f"seed={seed}", *extra]
-    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=overrides)
+    cfg = compose_train(REPO / "configs", overrides)
     with open_dict(cfg):
         cfg.paths.output_dir = "/home/user/adaloss/results/sweeps/<job>"
     return resolved_config(cfg)

@@ -16,13 +16,13 @@ from adaloss.reports.measurement import ROOT
 
 
 def compose_run(model: str, cell: Cell, seed: int, smoke: bool, runs_dir: Path):  # noqa: ANN201 - DictConfig
-    from hydra import compose, initialize_config_dir
     from omegaconf import open_dict
+
+    from adaloss.schemas import compose_train
 
     spec = MODELS[model]
     overrides = [*COMMON, *(spec.smoke if smoke else spec.overrides), *cell.overrides, f"seed={seed}"]
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=overrides)
+    cfg = compose_train(ROOT / "configs", overrides)
     with open_dict(cfg):
         cfg.paths.output_dir = str(runs_dir / model / f"{cell.name.replace('/', '_')}_seed{seed}")
     return cfg

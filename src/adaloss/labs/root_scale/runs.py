@@ -52,9 +52,8 @@ def bench(task: str, steps: int, rounds: int) -> dict[str, Any]:
     from adaloss.data import build_datasets, make_loader
     from adaloss.engine.optim import build_optimizer
     from adaloss.engine.tasks import build_task
-    from adaloss.precision import Precision
-    from adaloss.scalers import build_scaler
     from adaloss.utils import seed_everything
+    from adaloss.utils.targets import build_precision, build_scaler
 
     setups = {}
     for root in ROOTS:
@@ -70,7 +69,7 @@ def bench(task: str, steps: int, rounds: int) -> dict[str, Any]:
             batch = base.to_device(next(iter(loader)))
             weights = copy.deepcopy(base.model)
         task_obj = copy.copy(base)
-        precision = Precision.from_config(cfg.precision, torch.device("cpu"))
+        precision = build_precision(cfg.precision, torch.device("cpu"))
         scaler = build_scaler(cfg.scaler, precision.grad_format)
         model = precision.prepare(scaler.attach(copy.deepcopy(weights)))
         optimizer = build_optimizer(cfg.optimizer, model)

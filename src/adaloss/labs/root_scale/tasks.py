@@ -58,20 +58,19 @@ COMMON = (
 
 def compose(task: str, root: str, seed: int, out: Path, extra: tuple[str, ...] = ()):  # noqa: ANN201
     """One run of ``task`` under ``root``: its config, its folder ``<out>/runs/<task>_<root>_seed<seed>``."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
     from omegaconf import open_dict
+
+    from adaloss.schemas import compose_train
 
     overrides, *_ = TASKS[task]
     steps = next(o.split("=")[1] for o in overrides if o.startswith("trainer.max_steps="))
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        cfg = hydra_compose(
-            config_name="train",
-            overrides=[
-                *COMMON, *overrides, f"telemetry.every={steps}", f"scaler.root={root}",
-                *ROOT_OVERRIDES[root], f"seed={seed}", *extra,
-            ],
-        )  # fmt: skip
+    cfg = compose_train(
+        ROOT / "configs",
+        [
+            *COMMON, *overrides, f"telemetry.every={steps}", f"scaler.root={root}",
+            *ROOT_OVERRIDES[root], f"seed={seed}", *extra,
+        ],
+    )  # fmt: skip
     with open_dict(cfg):
         cfg.paths.output_dir = str(out / "runs" / f"{task}_{root}_seed{seed}")
     return cfg

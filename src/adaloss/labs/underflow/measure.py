@@ -90,8 +90,8 @@ def measure(
     ``loss_fn(output, y)``: the classifier's cross-entropy by default (``scripts/lm_underflow.py`` passes
     the language model's, over every position)."""
     from adaloss.precision import Precision
-    from adaloss.scalers import build_scaler
     from adaloss.telemetry import UnderflowMonitor
+    from adaloss.utils.targets import build_scaler
 
     precision = Precision(precision_name, "cpu")
     scaler = build_scaler(OmegaConf.create(scaler_cfg), precision.grad_format)

@@ -21,15 +21,18 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from adaloss.data import DATASET_NAMES, DETECTION_DATASET_NAMES, TEXT_DATASET_NAMES
+from adaloss.engine.tasks import check_model_and_dataset
 from adaloss.errors import ConfigError
+from adaloss.schemas import check_config
+from adaloss.utils.device import select_device
+from adaloss.utils.targets import build_precision, build_scaler, locate_target
 
 
 def validate_config(cfg: DictConfig) -> None:
     """Raise ``ConfigError`` naming the first invalid value and its fix. No side effects; costs one walk
     over the config, one CUDA availability query, and the imports of the model, data, precision and scaler
     modules (which the run needs anyway)."""
-    from adaloss.schemas import check_config
-
     _check_model_and_dataset(cfg)  # names before resolving: a mismatched pair may leave ${...} dangling
     check_config(cfg)
     _check_targets(cfg)
@@ -39,10 +42,6 @@ def validate_config(cfg: DictConfig) -> None:
 def _check_model_and_dataset(cfg: DictConfig) -> None:
     """A model and the task the dataset selects that agree (classification, detection or language
     modelling). Reads the names, the model's schema and the task's class; imports no model."""
-    # Imported here: these modules pull in torch and torchvision, which `--help` and `--cfg` do not need.
-    from adaloss.data import DATASET_NAMES, DETECTION_DATASET_NAMES, TEXT_DATASET_NAMES
-    from adaloss.engine.tasks import check_model_and_dataset
-
     _name(cfg.model, "model")
     dataset = _name(cfg.dataset, "dataset")
     if dataset not in DATASET_NAMES + DETECTION_DATASET_NAMES + TEXT_DATASET_NAMES:
@@ -75,21 +74,15 @@ def _first_line(error: BaseException) -> str:
 def _check_targets(cfg: DictConfig) -> None:
     """The optimizer's and the schedule's ``_target_`` can be imported (they are built last, after the
     data and the model)."""
-    from adaloss.utils.targets import locate_target
-
     locate_target("optimizer", cfg.optimizer.get("_target_"), "optimizer=adamw")
     locate_target("schedule", cfg.schedule.get("_target_"), "schedule=cosine")
 
 
 def _check_run(cfg: DictConfig) -> None:
     """``device``, and the precision and scaler builders' own checks of their combinations."""
-    from adaloss.precision import Precision
-    from adaloss.scalers import build_scaler
-    from adaloss.utils.device import select_device
-
     select_device(cfg.device)  # raises for an unknown name, and for cuda without a CUDA device
     # The CPU suffices to check the names; the scaler needs the gradient format (fp8_e5m2 has its own).
-    precision = Precision.from_config(cfg.precision, "cpu", telemetry_format=cfg.telemetry.format)
+    precision = build_precision(cfg.precision, "cpu", telemetry_format=cfg.telemetry.format)
     build_scaler(cfg.scaler, getattr(precision, "grad_format", None))
 
 

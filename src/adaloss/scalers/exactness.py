@@ -36,6 +36,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from adaloss.scalers.adaptive import AdaptiveLossScaler
+
 __all__ = [
     "GLOBAL_RTOL",
     "NOISE_FACTOR",
@@ -195,8 +197,6 @@ def check_gradients(
     pass is seeded with ``seed`` (dropout draws the same masks). Runs on the CPU; float64 and float32
     copies of the model are made. No optimizer step is taken: the weights stay as given. A model torch.fx
     cannot trace is captured with ``torch.export`` on the first batch (``AdaptiveLossScaler.attach``)."""
-    from adaloss.scalers.adaptive import AdaptiveLossScaler  # the scaler imports this package
-
     reference, noisy = copy.deepcopy(model).double(), copy.deepcopy(model).float()
     expected = []
     for batch in batches:
