@@ -27,6 +27,7 @@ rewritten graph split at the checkpointed layers, each recomputed in the backwar
 from __future__ import annotations
 
 import inspect
+import traceback
 from typing import Any
 
 import torch
@@ -35,33 +36,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from adaloss.adaptive.checkpointing import checkpointable_layers, checkpointed_graph, checkpointing
+from adaloss.adaptive.gemms import ATEN_AS_TORCH, as_torch
 from adaloss.errors import ConfigError
 
 __all__ = ["ATEN_AS_TORCH", "ATEN_METADATA", "CapturedForward", "TrainingValue", "capture", "to_torch_ops"]
 
 _aten = torch.ops.aten
-
-#: ATen ops of an exported graph and the torch functions the transform's recognizers read in their place
-#: (same arguments, same results)
-ATEN_AS_TORCH: dict[Any, Any] = {
-    _aten.linear.default: F.linear,
-    _aten.conv1d.default: F.conv1d,
-    _aten.conv2d.default: F.conv2d,
-    _aten.conv3d.default: F.conv3d,
-    _aten.conv1d.padding: F.conv1d,
-    _aten.conv2d.padding: F.conv2d,
-    _aten.conv3d.padding: F.conv3d,
-    _aten.conv_transpose1d.default: F.conv_transpose1d,
-    _aten.conv_transpose2d.input: F.conv_transpose2d,
-    _aten.conv_transpose3d.input: F.conv_transpose3d,
-    _aten.matmul.default: torch.matmul,
-    _aten.mm.default: torch.mm,
-    _aten.bmm.default: torch.bmm,
-    _aten.baddbmm.default: torch.baddbmm,
-    _aten.addmm.default: torch.addmm,
-    _aten.einsum.default: torch.einsum,
-    _aten.scaled_dot_product_attention.default: F.scaled_dot_product_attention,
-}
 
 #: ATen ops that read only a tensor's metadata (sizes, strides) or check it: no gradient flows through them
 ATEN_METADATA = {
@@ -137,7 +117,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         hint = " (a transformers model returning its key/value cache: pass use_cache=False)" * (
             "Cache" in first_line
-        )
+        ) + _data_dependent_hint(model, exc)
         raise CaptureError(
             f"the adaptive scaler cannot rewrite {type(model).__name__}: torch.fx could not trace it and "
             f"torch.export could not capture it on the example inputs ({type(exc).__name__}: {first_line})"
@@ -148,6 +128,36 @@ def capture(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
     gm = program.module()
     to_torch_ops(gm)
     return gm
+
+
+def _data_dependent_hint(model: nn.Module, exc: BaseException) -> str:
+    """For an export stopped by control flow on a tensor's values (a loop over the experts that received
+    tokens, ``if mask.any()``): where it is in the model's code and what avoids it; else ""."""
+    if "DataDependent" not in type(exc).__name__ and "data-dependent" not in str(exc):
+        return ""
+    frames = [
+        f
+        for f in traceback.extract_tb(exc.__traceback__)
+        if not any(part in f.filename for part in ("/torch/", "/adaloss/", "<"))
+    ]
+    where = (
+        f" at {frames[-1].filename}:{frames[-1].lineno} ({(frames[-1].line or '').strip()})" if frames else ""
+    )
+    if getattr(getattr(model, "config", None), "_experts_implementation", None) == "eager":
+        fix = (
+            "this transformers model runs its experts in that loop (experts_implementation='eager'): "
+            "call model.set_experts_implementation('grouped_mm') (or 'batched_mm') before attach()"
+        )
+    else:
+        fix = (
+            "run the experts through one grouped GEMM instead (torch._grouped_mm over the tokens sorted by "
+            "expert, see docs/transform.md, 'Mixture-of-experts'), or keep the loop out of the captured part"
+        )
+    return (
+        f". The model's code branches or loops on a tensor's values{where} (data-dependent control flow, "
+        f"such as a mixture-of-experts loop over the experts that received tokens), which torch.export "
+        f"cannot capture: {fix}"
+    )
 
 
 def _positional_names(model: nn.Module, n: int) -> list[str]:
@@ -177,7 +187,7 @@ def to_torch_ops(gm: fx.GraphModule) -> None:
                 "fixes; the adaptive scaler captures such models only when fx can trace them: make the "
                 "module a traceable one or train without it"
             )
-        node.target = ATEN_AS_TORCH.get(node.target, node.target)
+        node.target = as_torch(node.target)
         if node.target in _FOLLOWS_MODE:
             dropouts += _follow_mode(gm, node, dropouts)
         elif node.target is _aten.dropout.default:
