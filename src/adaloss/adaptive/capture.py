@@ -3,13 +3,15 @@
 Models that branch on their inputs' Python values (Hugging Face transformers: ``GPT2LMHeadModel``,
 ``LlamaForCausalLM``, ``BertForSequenceClassification``, ...) do not trace with fx's symbolic tracer. Given
 example inputs, :func:`capture` runs ``torch.export.export(..., strict=False)`` on them instead, with every
-dimension of every tensor input ``Dim.AUTO`` (dynamic where the model allows, so one capture serves other
-batch sizes and sequence lengths), and brings the exported graph to the vocabulary the passes of
-:mod:`adaloss.adaptive.transform` read (:func:`to_torch_ops`): ATen GEMMs, products and attention become
-the torch functions the recognizers know (``aten.linear`` -> ``F.linear``, ``aten.addmm`` (GPT-2's
-``Conv1D``) -> ``torch.addmm``, ``aten.scaled_dot_product_attention`` -> ``F.scaled_dot_product_attention``,
-...), the dropouts, whose ``train`` flag export fixes, become ``nn.Dropout`` modules that follow
-``train()`` / ``eval()``, and the other arguments export fixes at their training-mode value (attention's
+dimension of every tensor input of up to 3 dimensions ``Dim.AUTO`` (dynamic where the model allows, so one
+capture serves other batch sizes and sequence lengths) and only the batch dimension of an image (4 or
+more dimensions: another image size needs another ``attach``), and brings the exported graph to the
+vocabulary the passes of :mod:`adaloss.adaptive.transform` read (:func:`to_torch_ops`): ATen GEMMs,
+products and attention become the torch functions the recognizers know
+(:data:`adaloss.adaptive.gemms.ATEN_AS_TORCH`: ``aten.linear`` -> ``F.linear``, ``aten.addmm`` (GPT-2's
+``Conv1D``) -> ``torch.addmm``, transformers' ``grouped_mm_fallback`` -> ``torch._grouped_mm``, ...), the
+dropouts, whose ``train`` flag export fixes, become ``nn.Dropout`` modules that follow ``train()`` /
+``eval()``, and the other arguments export fixes at their training-mode value (attention's
 ``dropout_p``, batch norm's ``training``) become :class:`TrainingValue` calls. The graph's parameters are
 the model's own objects, read by their qualified names (``transformer.h.0.attn.c_attn.weight``), so the
 points are named after the model's modules.
@@ -89,13 +91,21 @@ class TrainingValue(nn.Module):
         return f"{self.values[0]} while training, else {self.values[1]}"
 
 
+#: tensor inputs of this many dimensions or more (images, video) get only their batch dimension dynamic
+STATIC_FROM_DIMS = 4
+
+
 def _dynamic_shapes(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """``Dim.AUTO`` for every dimension of every tensor input (export specializes the ones the model fixes),
-    None for everything else."""
+    """``Dim.AUTO`` (export specializes the ones the model fixes) for every dimension of every tensor input
+    of up to 3 dimensions (token ids, masks, sequences, audio: other batch sizes and lengths), for the batch
+    dimension only of an input of :data:`STATIC_FROM_DIMS` or more (images: the spatial sizes static, as the
+    reasoning about dynamic sizes through a MobileViT's unfold/fold blocks grows without bound); None for
+    everything else."""
 
     def spec(v: Any) -> Any:
         if isinstance(v, torch.Tensor):
-            return {d: torch.export.Dim.AUTO for d in range(v.dim())} if v.dim() else None
+            dims = range(v.dim()) if v.dim() < STATIC_FROM_DIMS else range(1)
+            return {d: torch.export.Dim.AUTO for d in dims} if v.dim() else None
         return torch.utils._pytree.tree_map(lambda _: None, v)
 
     return tuple(spec(a) for a in args), {k: spec(v) for k, v in kwargs.items()}
@@ -143,7 +153,11 @@ def _data_dependent_hint(model: nn.Module, exc: BaseException) -> str:
     where = (
         f" at {frames[-1].filename}:{frames[-1].lineno} ({(frames[-1].line or '').strip()})" if frames else ""
     )
-    if getattr(getattr(model, "config", None), "_experts_implementation", None) == "eager":
+    config = getattr(model, "config", None)
+    experts = any("Experts" in type(m).__name__ for m in model.modules())
+    if getattr(config, "layerdrop", 0) > 0:
+        fix = "this transformers model draws LayerDrop per layer: set model.config.layerdrop = 0.0"
+    elif experts and getattr(config, "_experts_implementation", None) == "eager":
         fix = (
             "this transformers model runs its experts in that loop (experts_implementation='eager'): "
             "call model.set_experts_implementation('grouped_mm') (or 'batched_mm') before attach()"
@@ -155,7 +169,8 @@ def _data_dependent_hint(model: nn.Module, exc: BaseException) -> str:
         )
     return (
         f". The model's code branches or loops on a tensor's values{where} (data-dependent control flow, "
-        f"such as a mixture-of-experts loop over the experts that received tokens), which torch.export "
+        f"such as a mixture-of-experts loop over the experts that received tokens or a LayerDrop draw), "
+        "which torch.export "
         f"cannot capture: {fix}"
     )
 
@@ -271,7 +286,16 @@ class CapturedForward:
             if gm.training != model.training:  # ep.module() refuses train(): the flags are set one by one
                 for module in gm.modules():
                     module.training = model.training
-            return gm(*(given[n] for n in self.positional), **{k: given[k] for k in self.keywords})
+            try:
+                return gm(*(given[n] for n in self.positional), **{k: given[k] for k in self.keywords})
+            except AssertionError as exc:  # ep.module()'s check of the inputs against the captured sizes
+                if not str(exc).startswith("Guard failed"):
+                    raise
+                raise CaptureError(
+                    f"adaptive loss scaling: {type(model).__name__} was captured for inputs of other sizes "
+                    f"({exc}); an input of 4 or more dimensions (an image) keeps its captured sizes but the "
+                    "batch size: attach a fresh model (and scaler) with an example of this size"
+                ) from None
         if not torch.is_grad_enabled():
             return self.own(model, *args, **kwargs)
         called = sorted(given) if given is not None else [f"{len(args)} positional", *sorted(kwargs)]
