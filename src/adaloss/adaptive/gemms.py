@@ -77,8 +77,29 @@ WEIGHT_GEMM_METHODS = {"matmul": WEIGHT_GEMMS[torch.matmul], "mm": WEIGHT_GEMMS[
 WEIGHT_GEMM_METHODS["__matmul__"] = WEIGHT_GEMMS[torch.matmul]
 
 #: custom ops (by qualified name) that are grouped GEMMs with ``(input, weight, offs)``: transformers'
-#: fallback, which its MoE experts run under ``torch.export`` with weights other than bfloat16
-GROUPED_CUSTOM_OPS = frozenset({"transformers::grouped_mm_fallback"})
+#: fallback, which its MoE experts run under ``torch.export`` with weights other than bfloat16, and ours
+#: (:func:`grouped_mm_op`)
+GROUPED_CUSTOM_OPS = frozenset({"transformers::grouped_mm_fallback", "adaloss::grouped_mm"})
+_GROUPED_CUSTOM = GemmForm("grouped", ("input", "weight", "offs"))
+
+
+def op_name(target: Any) -> str | None:
+    """The qualified name of a dispatcher op (``aten::mm``, ``transformers::grouped_mm_fallback``), whether
+    a graph holds its overload or its packet; None for anything else."""
+    if isinstance(target, torch._ops.OpOverload):
+        return target.name().split(".")[0]
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name
+    return None
+
+
+def weight_gemm(target: Any) -> GemmForm | None:
+    """The entry of :data:`WEIGHT_GEMMS` a called function is, a grouped GEMM custom op included."""
+    form = WEIGHT_GEMMS.get(target)
+    if form is None and op_name(target) in GROUPED_CUSTOM_OPS:
+        return _GROUPED_CUSTOM
+    return form
+
 
 #: ATen ops of an exported graph and the torch functions the transform's recognizers read in their place
 #: (same arguments, same results)
@@ -109,7 +130,7 @@ def as_torch(target: Any) -> Any:
     op as ``torch._grouped_mm``), else ``target``."""
     if target in ATEN_AS_TORCH:
         return ATEN_AS_TORCH[target]
-    if isinstance(target, torch._ops.OpOverload) and target.name() in GROUPED_CUSTOM_OPS:
+    if op_name(target) in GROUPED_CUSTOM_OPS:
         return torch._grouped_mm
     return target
 
@@ -212,3 +233,29 @@ def grouped_wgrad(a: torch.Tensor, delta: torch.Tensor, offs: torch.Tensor, grou
         return torch._grouped_mm(at, delta, offs=offs)
     masks = _masks(offs, a.shape[0], groups, a)
     return torch.stack([(masks[g] * a).t() @ delta for g in range(groups)])
+
+
+@torch.library.custom_op("adaloss::grouped_mm", mutates_args=())
+def grouped_mm_op(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:  # noqa: A002
+    """``torch.ops.adaloss.grouped_mm``: ``torch._grouped_mm(input, weight, offs=offs)`` on any dtype
+    (float64 included, which the kernel lacks), with its backward; the rewrite makes it a grouped point as
+    it does ``torch._grouped_mm``. No sync."""
+    return grouped_mm(input, weight, offs)
+
+
+@grouped_mm_op.register_fake
+def _(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:  # noqa: A002
+    return input.new_empty(input.shape[0], weight.shape[-1])
+
+
+def _grouped_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _grouped_backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    x, w, offs = ctx.saved_tensors
+    grad = grad.contiguous()
+    return grouped_mm(grad, w.transpose(-2, -1), offs), grouped_wgrad(x, grad, offs, w.shape[0]), None
+
+
+grouped_mm_op.register_autograd(_grouped_backward, setup_context=_grouped_setup)

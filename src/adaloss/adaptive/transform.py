@@ -55,7 +55,7 @@ from adaloss.adaptive.attention import (
     mha_core,
 )
 from adaloss.adaptive.capture import ATEN_METADATA, CapturedForward, CaptureError, capture, is_guard
-from adaloss.adaptive.gemms import WEIGHT_GEMM_METHODS, WEIGHT_GEMMS, GemmForm
+from adaloss.adaptive.gemms import WEIGHT_GEMM_METHODS, GemmForm, weight_gemm
 from adaloss.adaptive.mutation import (
     FIXED_VIEW_FUNCTIONS,
     FIXED_VIEW_METHODS,
@@ -939,7 +939,7 @@ def _module_path(node: fx.Node) -> str:
 def _gemm_form(node: fx.Node) -> GemmForm | None:
     """The entry of :data:`~adaloss.adaptive.gemms.WEIGHT_GEMMS` that ``node`` calls, if any."""
     if node.op == "call_function":
-        return WEIGHT_GEMMS.get(node.target)
+        return weight_gemm(node.target)
     if node.op == "call_method":
         return WEIGHT_GEMM_METHODS.get(node.target)
     return None
