@@ -212,7 +212,20 @@ def qwen2_moe() -> nn.Module:
     return transformers.Qwen2MoeForCausalLM(config)
 
 
-MOE_MODELS = {"mixtral": mixtral, "qwen2_moe": qwen2_moe}
+def qwen3_moe() -> nn.Module:
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, moe_intermediate_size=8, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=32, use_cache=False,
+    )  # fmt: skip
+    return transformers.Qwen3MoeForCausalLM(config)
+
+
+MOE_MODELS = {"mixtral": mixtral, "qwen2_moe": qwen2_moe, "qwen3_moe": qwen3_moe}
+#: make test keeps two models; the third runs in make test-full (each case about 10 s here)
+MODEL_PARAMS = [
+    pytest.param(n, marks=pytest.mark.slow) if n == "qwen3_moe" else n for n in sorted(MOE_MODELS)
+]
 
 
 def _lm_batches() -> list[tuple]:
@@ -229,7 +242,7 @@ def _expert_weights(model: nn.Module) -> set[str]:
 
 
 @pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])
-@pytest.mark.parametrize("name", sorted(MOE_MODELS))
+@pytest.mark.parametrize("name", MODEL_PARAMS)
 def test_transformers_experts_are_exact_and_every_expert_weight_a_point(name, implementation):
     """Mixtral and Qwen2-MoE with the experts implementation transformers picks by default (grouped_mm:
     its fallback custom op, once captured) and with batched_mm (a product with a beta: the weights are
@@ -257,7 +270,7 @@ def test_transformers_default_experts_implementation_is_grouped_mm():
     assert MOE_MODELS["mixtral"]().config._experts_implementation == "grouped_mm"
 
 
-@pytest.mark.parametrize("name", sorted(MOE_MODELS))
+@pytest.mark.parametrize("name", MODEL_PARAMS)
 def test_the_eager_experts_loop_is_refused_with_the_setting_that_avoids_it(name):
     model = MOE_MODELS[name]()
     model.set_experts_implementation("eager")

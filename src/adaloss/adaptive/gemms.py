@@ -196,7 +196,11 @@ def _kernel_fits(*ts: torch.Tensor) -> bool:
     unit one) and address a multiple of 16 bytes. Metadata only: no sync."""
     for t in ts:
         size = t.element_size()
-        if t.dtype not in _KERNEL_DTYPES or t.data_ptr() % 16:
+        try:
+            ptr = t.data_ptr()
+        except RuntimeError:  # a fake tensor (torch.compile's tracing): the masked products are traced
+            return False
+        if t.dtype not in _KERNEL_DTYPES or ptr % 16:
             return False
         if any(s != 1 and (s * size) % 16 for s in t.stride()):
             return False
