@@ -58,6 +58,50 @@ class GainLinear(nn.Module):
         return F.linear(x, self.g * self.weight)
 
 
+class LoRALinear(nn.Module):
+    """``x @ (W + B @ A)^T``: the product of weights is part of the weight's computation, not a point."""
+
+    def __init__(self, n: int, m: int, rank: int = 2) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(m, n) / n**0.5)
+        self.lora_b, self.lora_a = (
+            nn.Parameter(torch.randn(m, rank) / 2),
+            nn.Parameter(torch.randn(rank, n) / 2),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight + self.lora_b @ self.lora_a)
+
+
+class LearnedQuery(nn.Module):
+    """A learned query projected by ``F.linear`` and attended to by the input's tokens: the projection is a
+    GEMM of weights alone inside the computation of the weight ``q`` that the two products multiply."""
+
+    def __init__(self, d: int = 6) -> None:
+        super().__init__()
+        self.query = nn.Parameter(torch.randn(3, d))
+        self.q_proj = nn.Parameter(torch.randn(d, d) / d**0.5)
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = F.linear(self.norm(self.query), self.q_proj)  # (3, d), no model input in it
+        return torch.softmax(x @ q.t(), -1) @ q
+
+
+class ProjectedPosition(nn.Module):
+    """``x + F.linear(norm(pos), proj)``: a GEMM of weights alone whose result meets the activations, so a
+    point of its own (its output gradient carries an alpha)."""
+
+    def __init__(self, tokens: int = 3, d: int = 6) -> None:
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(tokens, d))
+        self.proj = nn.Parameter(torch.randn(d, d) / d**0.5)
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x + F.linear(self.norm(self.pos), self.proj))
+
+
 class Skew(nn.Module):
     """A parametrization of our own (``parametrize.register_parametrization``): ``X - X^T``."""
 
@@ -131,6 +175,13 @@ CASES = {
     "orthogonal": (lambda: _parametrized_net("orthogonal"), (4, 4), 3),
     "spectral norm": (lambda: _parametrized_net("spectral"), (4, 4), 3),
     "own parametrization": (lambda: _parametrized_net("skew"), (4, 4), 3),
+    "LoRA (weight plus a product of weights)": (
+        lambda: nn.Sequential(nn.Linear(5, 6), LoRALinear(6, 4)),
+        (4, 5),
+        2,
+    ),
+    "learned query": (lambda: nn.Sequential(nn.Linear(4, 6), LearnedQuery()), (5, 4), 3),
+    "projected position": (lambda: nn.Sequential(nn.Linear(4, 6), ProjectedPosition()), (2, 3, 4), 2),
 }
 
 

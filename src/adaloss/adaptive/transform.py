@@ -665,7 +665,7 @@ class _Rewrite:
         product = (node.op == "call_function" and node.target in PRODUCT_FUNCTIONS) or (
             node.op == "call_method" and node.target in PRODUCT_METHODS
         )
-        return product and self.sources.is_weight(node)
+        return product and self.sources.is_weight(node) and _feeds_only_weights(node, self.sources)
 
     def _leaf_points(self, node: fx.Node) -> None:
         """A call of a function fx keeps as a leaf that holds GEMMs (Swin's attention)."""
@@ -962,8 +962,10 @@ def _functional_gemm(gm: fx.GraphModule, node: fx.Node, sources: WeightSources) 
     if form.kind == "grouped" and (bound.get("bias") is not None or bound.get("out_dtype") is not None):
         return None  # a bias or an output dtype of the kernel's own: counted by coverage() as unscaled
     x, w, b = bound.get("input"), bound["weight"], bound.get("bias")
-    if not isinstance(x, fx.Node) or sources.is_free(x) or not sources.is_weight(w):
+    if not isinstance(x, fx.Node) or _param_chain(gm, x) is not None or not sources.is_weight(w):
         return None
+    if sources.is_free(x) and _feeds_only_weights(node, sources):
+        return None  # a GEMM of weights computing a GEMM's weight: part of that weight's computation
     if b is not None and not sources.is_weight(b):
         return None  # an activation bias: its gradient must keep its alpha, so not a GEMM point here
     value = sources.value(w)
@@ -972,6 +974,27 @@ def _functional_gemm(gm: fx.GraphModule, node: fx.Node, sources: WeightSources) 
     if wanted is not None and value.dim() != wanted:
         return None
     return x, w, b, _spec(node, form, bound, value), value, transpose, bound.get("offs")
+
+
+def _feeds_only_weights(node: fx.Node, sources: WeightSources) -> bool:
+    """Whether every path from ``node`` (a value computed from weights alone) through further such values
+    ends as the weight or bias operand of a GEMM (LoRA's ``B @ A`` in ``W + B @ A``); False where the value
+    meets an activation (a learned query projected and attended to)."""
+    todo, seen = [node], set()
+    while todo:
+        value = todo.pop()
+        for user in value.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            if sources.is_free(user):
+                todo.append(user)
+                continue
+            form = _gemm_form(user)
+            bound = _bind(user, form.args) if form is not None else None
+            if bound is None or not any(bound.get(k) is value for k in ("weight", "bias")):
+                return False
+    return True
 
 
 def _spec(node: fx.Node, form: GemmForm, bound: dict[str, Any], value: torch.Tensor) -> dict[str, Any]:
