@@ -10,9 +10,10 @@
   as a leaf), an operand of a product without a beta, or anything else (a positional embedding added to the
   activations); embedding tables are listed apart, as lookups;
 * given example inputs, the ATen count: one forward pass under :class:`GemmCalls` records every GEMM call
-  (``mm``, ``addmm``, ``bmm``, ``convolution``, the fused RNN kernels, ...) with an operand inside a
-  parameter's storage, and the point whose forward made it, if any. A GEMM the transform did not catch
-  (a functional form it does not rewrite) shows up there, named by its parameter.
+  (:func:`adaloss.adaptive.gemms.is_gemm_op`: ``mm``, ``addmm``, ``bmm``, ``convolution``, grouped and
+  scaled GEMMs, fused attention and RNN kernels, GEMM-like custom ops) with an operand inside a parameter's
+  storage or computed from parameters alone, and the point whose forward made it, if any. A GEMM the
+  transform did not catch (a functional form it does not rewrite) shows up there, named by its parameter.
 
 ``AdaptiveLossScaler.coverage`` is the public entry point; ``attach()`` warns about recurrent layers with
 :func:`recurrent_layers`.
