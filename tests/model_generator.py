@@ -9,7 +9,10 @@ concatenation, split and chunk, multiplicative gates (squeeze-excitation, GLU), 
 attention (explicit products and ``F.scaled_dot_product_attention``), recurrent layers, dropout, heads at
 several depths summed into the loss, an output the loss does not use, sizes and shapes passed along beside
 the activations through a leaf function (as MViT's ``thw``), a leaf function that writes into its argument
-(as MViT's ``_add_shortcut``), a module called twice, tied weights, and frozen parameters.
+(as MViT's ``_add_shortcut``), a module called twice, tied weights, frozen parameters, weights computed
+from parameters (weight norm in both APIs, an orthogonal parametrization, weight standardization, a gain),
+token-routed experts through a grouped GEMM and through a loop, and MobileViT's unfold/fold patch
+attention.
 
 Hypothesis shrinks a failing program to a small one: ops are drawn one by one (fewer and simpler ops
 shrink first: the first kind listed is a convolution, and inputs are counted from the newest value).
@@ -19,6 +22,7 @@ shrink first: the first kind listed is a convolution, and inputs are counted fro
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +31,8 @@ import torch.fx
 import torch.nn.functional as F
 from hypothesis import strategies as st
 from torch import nn
+
+import adaloss.adaptive.gemms  # noqa: F401 - registers torch.ops.adaloss.grouped_mm (the "experts" op)
 
 BATCH, CLASSES = 2, 3
 
@@ -120,6 +126,9 @@ KINDS = (
     "head",
     "rnn",
     "dropout",
+    "computed",
+    "experts",
+    "patches",
 )
 
 
@@ -341,6 +350,40 @@ def _rnn(draw: Any, values: list[Value], ops: list[Op], dims: int) -> Op | None:
     return Op("rnn", (i,), {"kind": kind, "hidden": hidden}, (Value(hidden, values[i].size),))
 
 
+#: how a computed weight is made from its parameters (``computed`` ops)
+COMPUTED = ("weight_norm", "old_weight_norm", "standardized", "gain", "orthogonal")
+
+
+def _computed(draw: Any, values: list[Value], ops: list[Op], dims: int) -> Op | None:
+    """A linear layer or a convolution whose weight is computed from parameters: weight norm (both APIs),
+    weight standardization (timm's StdConv), a weight times a gain, an orthogonal parametrization."""
+    i = _pick(draw, values)
+    v = values[i]
+    out_c = draw(st.sampled_from([v.channels, 2, 4]))
+    conv = bool(v.size) and draw(st.booleans())
+    args = {"how": draw(st.sampled_from(COMPUTED)), "conv": conv, "out": out_c, "bias": draw(st.booleans())}
+    return Op("computed", (i,), args, (Value(out_c, v.size),))
+
+
+def _experts(draw: Any, values: list[Value], ops: list[Op], dims: int) -> Op:
+    """Token-routed experts over the positions of a value (top-1 of 2 or 3, the gate's probability as the
+    weight): through one grouped GEMM over the tokens sorted by expert, or a loop over the experts with
+    each token's mask (no data-dependent control flow)."""
+    i = _pick(draw, values)
+    v = values[i]
+    args = {"experts": draw(st.sampled_from([2, 3])), "grouped": draw(st.booleans())}
+    return Op("experts", (i,), args, (v,))
+
+
+def _patches(draw: Any, values: list[Value], ops: list[Op], dims: int) -> Op | None:
+    """MobileViT's patch attention: ``F.unfold`` into 2x2 patches, attention across the patches at each
+    pixel position (with projections), ``F.fold`` back."""
+    i = _pick(draw, values, lambda v: len(v.size) == 2 and all(n % 2 == 0 and n >= 4 for n in v.size))
+    if i is None:
+        return None
+    return Op("patches", (i,), {"channels": values[i].channels, "size": values[i].size}, (values[i],))
+
+
 def _dropout(draw: Any, values: list[Value], ops: list[Op], dims: int) -> Op:
     i = _pick(draw, values)
     return Op("dropout", (i,), {"p": draw(st.sampled_from([0.1, 0.5]))}, (values[i],))
@@ -488,7 +531,82 @@ def _module(op: Op, program: Program, values: list[Value], built: dict[str, nn.M
         return getattr(nn, a["kind"])(src.channels, a["hidden"], batch_first=True)
     if op.kind == "dropout":
         return nn.Dropout(a["p"])
+    if op.kind == "computed":
+        return _computed_layer(a, src)
+    if op.kind == "experts":
+        return _Experts(src.channels, a["experts"], a["grouped"], flat=not src.size)
+    if op.kind == "patches":
+        return _Attention(src.channels, True)
     return None
+
+
+def _computed_layer(a: dict[str, Any], src: Value) -> nn.Module:
+    d = len(src.size)
+    layer = _CONV[d](src.channels, a["out"], 3, padding=1, bias=a["bias"]) if a["conv"] else None
+    layer = layer or nn.Linear(src.channels, a["out"], bias=a["bias"])
+    if a["how"] == "weight_norm":
+        torch.nn.utils.parametrizations.weight_norm(layer)
+    elif a["how"] == "old_weight_norm":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # deprecated, still in use (HiFi-GAN's code)
+            torch.nn.utils.weight_norm(layer)
+    elif a["how"] == "orthogonal":
+        torch.nn.utils.parametrizations.orthogonal(layer)
+    elif a["how"] == "gain":
+        layer.gain = nn.Parameter(torch.rand(a["out"], *([1] * (layer.weight.dim() - 1))) + 0.5)
+    return layer
+
+
+def _computed_weight(a: dict[str, Any], m: Any) -> torch.Tensor | None:
+    """The weight a ``computed`` op's functional forms multiply (None: the module computes its own)."""
+    if a["how"] == "gain":
+        return m.gain * m.weight
+    if a["how"] == "standardized":
+        dims = (1,) if isinstance(m, nn.Linear) else tuple(range(1, 2 + len(m.kernel_size)))  # the fan-in
+        w = m.weight - m.weight.mean(dims, keepdim=True)
+        return w / (w.square().mean(dims, keepdim=True) + 1e-5).sqrt()
+    return None
+
+
+class _Experts(nn.Module):
+    """Top-1 routed experts over the tokens of a ``(B, C, *S)`` or ``(B, C)`` value: a router, a ``(E, C,
+    C)`` weight, the token's expert output times its gate probability, added to the token."""
+
+    def __init__(self, channels: int, experts: int, grouped: bool, flat: bool) -> None:
+        super().__init__()
+        self.router = nn.Linear(channels, experts)
+        self.w = nn.Parameter(torch.randn(experts, channels, channels) / channels**0.5)
+        self.experts, self.grouped, self.flat, self.channels = experts, grouped, flat, channels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x if self.flat else x.flatten(2).transpose(1, 2).reshape(-1, self.channels)  # (tokens, C)
+        probs = torch.softmax(self.router(t), -1)
+        gate, idx = probs.max(-1)
+        if self.grouped:
+            order = idx.argsort(stable=True)
+            offs = torch.cumsum(torch.bincount(idx, minlength=self.experts), 0).to(torch.int32)
+            y = torch.ops.adaloss.grouped_mm(t[order], self.w, offs)
+            y = torch.zeros_like(y).index_copy(0, order, y)
+        else:
+            y = torch.zeros_like(t)
+            for e in range(self.experts):
+                y = y + (idx == e).unsqueeze(-1).to(t.dtype) * (t @ self.w[e])
+        y = t + y * gate.unsqueeze(-1)
+        if self.flat:
+            return y
+        return y.reshape(x.shape[0], -1, self.channels).transpose(1, 2).reshape(x.shape)
+
+
+def _patch_attention(a: dict[str, Any], m: Any, x: torch.Tensor) -> torch.Tensor:
+    """MobileViT's unfold/fold: attention across the 2x2 patches, one sequence per pixel position (the
+    sizes are the program's: fold takes them as Python ints)."""
+    c, (h, w) = a["channels"], a["size"]
+    n = h * w // 4
+    p = F.unfold(x, kernel_size=2, stride=2)  # (B, C*4, L)
+    t = p.reshape(-1, c, 4, n).permute(0, 2, 3, 1).reshape(-1, n, c)  # (B*4, L, C)
+    o = F.scaled_dot_product_attention(m.q(t), m.k(t), m.v(t))
+    o = o.reshape(-1, 4, n, c).permute(0, 3, 1, 2).reshape(-1, c * 4, n)
+    return x + F.fold(o, (h, w), kernel_size=2, stride=2)
 
 
 class GeneratedNet(nn.Module):
@@ -649,4 +767,15 @@ def _run_more(op: Op, m: Any, x: torch.Tensor, vals: list[Any], d: int) -> list[
         return [x]
     if op.kind == "dropout":
         return [m(x)]
+    if op.kind == "computed":
+        w = _computed_weight(a, m)
+        if w is None:
+            return [m(x) if a["conv"] else _channels_last(m, x, not d)]
+        if a["conv"]:
+            return [m._conv_forward(x, w, m.bias)]
+        return [_channels_last(lambda t: F.linear(t, w, m.bias), x, not d)]
+    if op.kind == "experts":
+        return [m(x)]
+    if op.kind == "patches":
+        return [_patch_attention(a, m, x)]
     raise ValueError(op.kind)

@@ -21,8 +21,9 @@ from adaloss.adaptive import AdaptiveTransformError
 from adaloss.adaptive import ops as adaptive_ops
 from adaloss.adaptive import transform as adaptive_transform
 from adaloss.adaptive.mutation import MutationError
+from adaloss.scalers.adaptive import AdaptiveLossScaler
 from adaloss.scalers.exactness import ExactnessReport, check_gradients
-from model_generator import BATCH, CLASSES, KINDS, GeneratedNet, Op, Program, Value, programs
+from model_generator import BATCH, CLASSES, COMPUTED, KINDS, GeneratedNet, Op, Program, Value, programs
 
 #: Examples per run: ``make test`` / ``make test-full`` (the slow test draws other models).
 FAST_EXAMPLES, FULL_EXAMPLES = 300, 3000
@@ -111,6 +112,39 @@ def test_generated_models_get_plain_backprop_gradients():
     assert set(kinds) == set(KINDS), set(KINDS) - set(kinds)
     assert alphas >= 0.4 * checked, (alphas, checked)
     assert rescaled >= 0.04 * checked, (rescaled, checked)
+
+
+def _issue42_program(how: str, conv: bool, grouped: bool) -> Program:
+    """A computed-weight layer (``how``), token-routed experts and patch attention in one 2-D model."""
+    v = Value(4, (6, 6))
+    ops = [
+        Op("computed", (0,), {"how": how, "conv": conv, "out": 4, "bias": True}, (v,)),
+        Op("experts", (1,), {"experts": 3, "grouped": grouped}, (v,)),
+        Op("patches", (2,), {"channels": 4, "size": (6, 6)}, (v,)),
+        Op("add", (3, 1), {}, (v,)),
+    ]
+    return Program(2, Value(3, (6, 6)), ops, heads=[4], loss_factor=2.0**-30)
+
+
+@pytest.mark.parametrize("how", COMPUTED)
+@pytest.mark.parametrize("layer", ["conv", "linear"])
+def test_each_computed_weight_with_experts_and_patch_attention_is_exact(how, layer):
+    """Issue 42's vocabulary, each variant once: exact, and every weight GEMM a point."""
+    program = _issue42_program(how, layer == "conv", grouped=layer == "conv")
+    report = check_program(program)
+    assert report is not None and report.ok
+    scaler = AdaptiveLossScaler()
+    scaler.attach(GeneratedNet(program))
+    coverage = scaler.coverage(_batches(program)[0][0].float())
+    assert coverage.every_gemm_weight_has_a_point and not coverage.unscaled, coverage.format()
+
+
+@pytest.mark.slow
+@seed(11)
+@settings(max_examples=150, **_SETTINGS)
+@given(programs(max_ops=6, kinds=("conv", "linear", "act", "add", "head", "computed", "experts", "patches")))
+def test_generated_models_with_computed_weights_experts_and_patches_are_exact(program):
+    check_program(program)
 
 
 @pytest.mark.slow

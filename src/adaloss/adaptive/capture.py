@@ -3,13 +3,15 @@
 Models that branch on their inputs' Python values (Hugging Face transformers: ``GPT2LMHeadModel``,
 ``LlamaForCausalLM``, ``BertForSequenceClassification``, ...) do not trace with fx's symbolic tracer. Given
 example inputs, :func:`capture` runs ``torch.export.export(..., strict=False)`` on them instead, with every
-dimension of every tensor input ``Dim.AUTO`` (dynamic where the model allows, so one capture serves other
-batch sizes and sequence lengths), and brings the exported graph to the vocabulary the passes of
-:mod:`adaloss.adaptive.transform` read (:func:`to_torch_ops`): ATen GEMMs, products and attention become
-the torch functions the recognizers know (``aten.linear`` -> ``F.linear``, ``aten.addmm`` (GPT-2's
-``Conv1D``) -> ``torch.addmm``, ``aten.scaled_dot_product_attention`` -> ``F.scaled_dot_product_attention``,
-...), the dropouts, whose ``train`` flag export fixes, become ``nn.Dropout`` modules that follow
-``train()`` / ``eval()``, and the other arguments export fixes at their training-mode value (attention's
+dimension of every tensor input of up to 3 dimensions ``Dim.AUTO`` (dynamic where the model allows, so one
+capture serves other batch sizes and sequence lengths) and only the batch dimension of an image (4 or
+more dimensions: another image size needs another ``attach``), and brings the exported graph to the
+vocabulary the passes of :mod:`adaloss.adaptive.transform` read (:func:`to_torch_ops`): ATen GEMMs,
+products and attention become the torch functions the recognizers know
+(:data:`adaloss.adaptive.gemms.ATEN_AS_TORCH`: ``aten.linear`` -> ``F.linear``, ``aten.addmm`` (GPT-2's
+``Conv1D``) -> ``torch.addmm``, transformers' ``grouped_mm_fallback`` -> ``torch._grouped_mm``, ...), the
+dropouts, whose ``train`` flag export fixes, become ``nn.Dropout`` modules that follow ``train()`` /
+``eval()``, and the other arguments export fixes at their training-mode value (attention's
 ``dropout_p``, batch norm's ``training``) become :class:`TrainingValue` calls. The graph's parameters are
 the model's own objects, read by their qualified names (``transformer.h.0.attn.c_attn.weight``), so the
 points are named after the model's modules.
@@ -27,6 +29,7 @@ rewritten graph split at the checkpointed layers, each recomputed in the backwar
 from __future__ import annotations
 
 import inspect
+import traceback
 from typing import Any
 
 import torch
@@ -35,33 +38,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from adaloss.adaptive.checkpointing import checkpointable_layers, checkpointed_graph, checkpointing
+from adaloss.adaptive.gemms import ATEN_AS_TORCH, as_torch
 from adaloss.errors import ConfigError
 
 __all__ = ["ATEN_AS_TORCH", "ATEN_METADATA", "CapturedForward", "TrainingValue", "capture", "to_torch_ops"]
 
 _aten = torch.ops.aten
-
-#: ATen ops of an exported graph and the torch functions the transform's recognizers read in their place
-#: (same arguments, same results)
-ATEN_AS_TORCH: dict[Any, Any] = {
-    _aten.linear.default: F.linear,
-    _aten.conv1d.default: F.conv1d,
-    _aten.conv2d.default: F.conv2d,
-    _aten.conv3d.default: F.conv3d,
-    _aten.conv1d.padding: F.conv1d,
-    _aten.conv2d.padding: F.conv2d,
-    _aten.conv3d.padding: F.conv3d,
-    _aten.conv_transpose1d.default: F.conv_transpose1d,
-    _aten.conv_transpose2d.input: F.conv_transpose2d,
-    _aten.conv_transpose3d.input: F.conv_transpose3d,
-    _aten.matmul.default: torch.matmul,
-    _aten.mm.default: torch.mm,
-    _aten.bmm.default: torch.bmm,
-    _aten.baddbmm.default: torch.baddbmm,
-    _aten.addmm.default: torch.addmm,
-    _aten.einsum.default: torch.einsum,
-    _aten.scaled_dot_product_attention.default: F.scaled_dot_product_attention,
-}
 
 #: ATen ops that read only a tensor's metadata (sizes, strides) or check it: no gradient flows through them
 ATEN_METADATA = {
@@ -109,13 +91,21 @@ class TrainingValue(nn.Module):
         return f"{self.values[0]} while training, else {self.values[1]}"
 
 
+#: tensor inputs of this many dimensions or more (images, video) get only their batch dimension dynamic
+STATIC_FROM_DIMS = 4
+
+
 def _dynamic_shapes(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """``Dim.AUTO`` for every dimension of every tensor input (export specializes the ones the model fixes),
-    None for everything else."""
+    """``Dim.AUTO`` (export specializes the ones the model fixes) for every dimension of every tensor input
+    of up to 3 dimensions (token ids, masks, sequences, audio: other batch sizes and lengths), for the batch
+    dimension only of an input of :data:`STATIC_FROM_DIMS` or more (images: the spatial sizes static, as the
+    reasoning about dynamic sizes through a MobileViT's unfold/fold blocks grows without bound); None for
+    everything else."""
 
     def spec(v: Any) -> Any:
         if isinstance(v, torch.Tensor):
-            return {d: torch.export.Dim.AUTO for d in range(v.dim())} if v.dim() else None
+            dims = range(v.dim()) if v.dim() < STATIC_FROM_DIMS else range(1)
+            return {d: torch.export.Dim.AUTO for d in dims} if v.dim() else None
         return torch.utils._pytree.tree_map(lambda _: None, v)
 
     return tuple(spec(a) for a in args), {k: spec(v) for k, v in kwargs.items()}
@@ -137,7 +127,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         hint = " (a transformers model returning its key/value cache: pass use_cache=False)" * (
             "Cache" in first_line
-        )
+        ) + _data_dependent_hint(model, exc)
         raise CaptureError(
             f"the adaptive scaler cannot rewrite {type(model).__name__}: torch.fx could not trace it and "
             f"torch.export could not capture it on the example inputs ({type(exc).__name__}: {first_line})"
@@ -148,6 +138,41 @@ def capture(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
     gm = program.module()
     to_torch_ops(gm)
     return gm
+
+
+def _data_dependent_hint(model: nn.Module, exc: BaseException) -> str:
+    """For an export stopped by control flow on a tensor's values (a loop over the experts that received
+    tokens, ``if mask.any()``): where it is in the model's code and what avoids it; else ""."""
+    if "DataDependent" not in type(exc).__name__ and "data-dependent" not in str(exc):
+        return ""
+    frames = [
+        f
+        for f in traceback.extract_tb(exc.__traceback__)
+        if not any(part in f.filename for part in ("/torch/", "/adaloss/", "<"))
+    ]
+    where = (
+        f" at {frames[-1].filename}:{frames[-1].lineno} ({(frames[-1].line or '').strip()})" if frames else ""
+    )
+    config = getattr(model, "config", None)
+    experts = any("Experts" in type(m).__name__ for m in model.modules())
+    if getattr(config, "layerdrop", 0) > 0:
+        fix = "this transformers model draws LayerDrop per layer: set model.config.layerdrop = 0.0"
+    elif experts and getattr(config, "_experts_implementation", None) == "eager":
+        fix = (
+            "this transformers model runs its experts in that loop (experts_implementation='eager'): "
+            "call model.set_experts_implementation('grouped_mm') (or 'batched_mm') before attach()"
+        )
+    else:
+        fix = (
+            "run the experts through one grouped GEMM instead (torch._grouped_mm over the tokens sorted by "
+            "expert, see docs/transform.md, 'Mixture-of-experts'), or keep the loop out of the captured part"
+        )
+    return (
+        f". The model's code branches or loops on a tensor's values{where} (data-dependent control flow, "
+        f"such as a mixture-of-experts loop over the experts that received tokens or a LayerDrop draw), "
+        "which torch.export "
+        f"cannot capture: {fix}"
+    )
 
 
 def _positional_names(model: nn.Module, n: int) -> list[str]:
@@ -177,7 +202,7 @@ def to_torch_ops(gm: fx.GraphModule) -> None:
                 "fixes; the adaptive scaler captures such models only when fx can trace them: make the "
                 "module a traceable one or train without it"
             )
-        node.target = ATEN_AS_TORCH.get(node.target, node.target)
+        node.target = as_torch(node.target)
         if node.target in _FOLLOWS_MODE:
             dropouts += _follow_mode(gm, node, dropouts)
         elif node.target is _aten.dropout.default:
@@ -268,7 +293,16 @@ class CapturedForward:
             if gm.training != model.training:  # ep.module() refuses train(): the flags are set one by one
                 for module in gm.modules():
                     module.training = model.training
-            return gm(*(given[n] for n in self.positional), **{k: given[k] for k in self.keywords})
+            try:
+                return gm(*(given[n] for n in self.positional), **{k: given[k] for k in self.keywords})
+            except AssertionError as exc:  # ep.module()'s check of the inputs against the captured sizes
+                if not str(exc).startswith("Guard failed"):
+                    raise
+                raise CaptureError(
+                    f"adaptive loss scaling: {type(model).__name__} was captured for inputs of other sizes "
+                    f"({exc}); an input of 4 or more dimensions (an image) keeps its captured sizes but the "
+                    "batch size: attach a fresh model (and scaler) with an example of this size"
+                ) from None
         if not torch.is_grad_enabled():
             return self.own(model, *args, **kwargs)
         called = sorted(given) if given is not None else [f"{len(args)} positional", *sorted(kwargs)]

@@ -10,9 +10,10 @@
   as a leaf), an operand of a product without a beta, or anything else (a positional embedding added to the
   activations); embedding tables are listed apart, as lookups;
 * given example inputs, the ATen count: one forward pass under :class:`GemmCalls` records every GEMM call
-  (``mm``, ``addmm``, ``bmm``, ``convolution``, the fused RNN kernels, ...) with an operand inside a
-  parameter's storage, and the point whose forward made it, if any. A GEMM the transform did not catch
-  (a functional form it does not rewrite) shows up there, named by its parameter.
+  (:func:`adaloss.adaptive.gemms.is_gemm_op`: ``mm``, ``addmm``, ``bmm``, ``convolution``, grouped and
+  scaled GEMMs, fused attention and RNN kernels, GEMM-like custom ops) with an operand inside a parameter's
+  storage or computed from parameters alone, and the point whose forward made it, if any. A GEMM the
+  transform did not catch (a functional form it does not rewrite) shows up there, named by its parameter.
 
 ``AdaptiveLossScaler.coverage`` is the public entry point; ``attach()`` warns about recurrent layers with
 :func:`recurrent_layers`.
@@ -35,6 +36,7 @@ from torch.utils._pytree import tree_leaves
 
 from adaloss.adaptive.attention import AttentionCore, LeafGEMMs, Product
 from adaloss.adaptive.capture import CapturedForward
+from adaloss.adaptive.gemms import is_gemm_op
 from adaloss.adaptive.mutation import is_view_op
 from adaloss.adaptive.ops import AdaptiveState, GemmPoint, ScaledGEMM
 from adaloss.adaptive.transform import AdaptiveGEMM, FunctionalGEMM, ParamUnscaleModule, UnscaledParams
@@ -59,25 +61,11 @@ RECURRENT_TYPES = (nn.RNNBase, nn.RNNCellBase)
 _LOOKUP_TYPES = (nn.Embedding, nn.EmbeddingBag)
 _LOOKUP_FUNCTIONS = {F.embedding, F.embedding_bag, torch.embedding, torch.ops.aten.embedding.default}
 
-#: ATen ops that multiply matrices: the plain GEMMs and the fused recurrent kernels (cuDNN, MIOpen, oneDNN).
-_GEMM_OP_NAMES = (
-    "mm",
-    "addmm",
-    "bmm",
-    "baddbmm",
-    "addbmm",
-    "mv",
-    "addmv",
-    "_addmm_activation",
-    "_scaled_mm",
-    "convolution",
-    "_cudnn_rnn",
-    "miopen_rnn",
-    "mkldnn_rnn_layer",
+#: Ops that gather rows of their first argument: from a parameter of 3 or more dimensions (a stack of expert
+#: matrices, ``weight[expert_ids]``), what they make is still named by the parameter in a GEMM
+_GATHER_OPS = frozenset(
+    getattr(torch.ops.aten, n) for n in ("index", "index_select") if hasattr(torch.ops.aten, n)
 )
-GEMM_OPS = frozenset(getattr(torch.ops.aten, n) for n in _GEMM_OP_NAMES if hasattr(torch.ops.aten, n))
-#: Ops whose output is a copy of their first argument (autocast's casts, clones).
-_COPY_OPS = frozenset(getattr(torch.ops.aten, n) for n in ("_to_copy", "clone") if hasattr(torch.ops.aten, n))
 #: Ops that move the tensors of their first argument into a new buffer, in place (cuDNN's RNN weights).
 _MOVE_OPS = frozenset(
     getattr(torch.ops.aten, n) for n in ("_cudnn_rnn_flatten_weight",) if hasattr(torch.ops.aten, n)
@@ -239,10 +227,13 @@ def build_coverage(
     graph = rewritten.graph if isinstance(rewritten, fx.GraphModule) else None
     uses = _param_uses(rewritten, graph) if graph is not None else {}
     seen_outside = {c.param: c.op for c in reversed(report.outside)}  # the first op per parameter
+    seen_inside = {c.param for c in report.calls or () if c.point is not None}
     under_products = {name for name, (kind, _) in uses.items() if kind == "product"}
     for name, p in model.named_parameters():
         if p.dim() < 2 or id(p) in under or name in under_products:
             continue
+        if name in seen_inside and name not in seen_outside:
+            continue  # multiplied inside a point only (expert weights gathered per token for a product)
         path = name.rpartition(".")[0]
         owner = _unwrapped(model.get_submodule(path))
         entry = (name, path, type(owner).__name__)
@@ -331,9 +322,9 @@ def _point_calls(
             continue
         module = model.get_submodule(node.target)
         if isinstance(module, AdaptiveGEMM):
-            yield node.args[1], module, names.get(id(module.weight))
+            yield node.args[1], module, ", ".join(names[id(p)] for p in module.sources if id(p) in names)
         elif isinstance(module, FunctionalGEMM):
-            yield node.args[3], module, _root_param(model, node.args[1])
+            yield node.args[3], module, ", ".join(module.weights)
         elif isinstance(module, LeafGEMMs):
             bound = module.signature.bind(*node.args, **node.kwargs).arguments
             for (w_name, _, _), k in zip(module.entry["gemms"], module.points, strict=True):
@@ -393,49 +384,105 @@ def _is_view(node: fx.Node) -> bool:
 
 
 class GemmCalls(TorchDispatchMode):
-    """Records every ATen GEMM call (:data:`GEMM_OPS`) with an operand inside a parameter's storage (the
-    weight, its transpose, a slice of a packed weight, a fused RNN kernel's weights) as a :class:`GemmCall`,
-    with ``point``: the name of the point whose forward is running (set by :func:`count_gemm_calls`).
+    """Records every GEMM call at dispatch (:func:`adaloss.adaptive.gemms.is_gemm_op`: plain, grouped and
+    scaled GEMMs, fused attention and recurrent kernels, GEMM-like custom ops) with an operand inside a
+    parameter's storage (the weight, its transpose, a slice of a packed weight) or computed from parameters
+    alone, as a :class:`GemmCall` per such parameter, with ``point``: the name of the point whose forward
+    is running (set by :func:`count_gemm_calls`).
 
-    A copy of a whole parameter keeps its name: autocast's cast to FP16/BF16 (``_to_copy``), a clone, and
-    cuDNN's move of an RNN's weights into one buffer (``_cudnn_rnn_flatten_weight``, in place). The copies
-    are kept alive while the mode is, so their memory is not reused by another tensor during the count."""
+    Every tensor is told apart as it is made: a constant (``constants``: the model's buffers; and what an
+    op makes from no tensor or from constants alone: ``zeros``, ``arange``), a weight computed from
+    parameters (what an op makes from parameters and constants alone, named by those parameters: autocast's
+    copies, weight norm, weight standardization, a gain, cuDNN's move of an RNN's weights into one buffer),
+    or an activation (a tensor it has not seen made, such as the model's inputs, and what an op makes from
+    one). A GEMM of computed weights alone (LoRA's ``B @ A``, spectral norm's power iteration) counts as
+    outside every point unless its result reaches a weight operand of a GEMM inside a point. The tensors
+    told apart are kept alive while the mode is, so their memory is not reused by another tensor during the
+    count (one forward pass's activations, as a pass with gradients keeps)."""
 
-    def __init__(self, params: dict[str, torch.Tensor]) -> None:
+    def __init__(self, params: dict[str, torch.Tensor], constants: list[torch.Tensor] = ()) -> None:
         super().__init__()
         self.spans: dict[int, list[tuple[int, int, str]]] = {}  # storage pointer -> (start, end, name)
-        self.copies: list[torch.Tensor] = []
+        self.activations: set[int] = set()  # storage pointers of activations
+        self.constants: set[int] = set()
+        self.pending: dict[int, frozenset[int]] = {}  # computed weight's storage -> weights-only GEMM calls
+        self.kept: list[torch.Tensor] = []
         for name, p in params.items():
             self._add(p, name)
+        for t in constants:
+            self._keep(t, self.constants)
         self.calls: list[GemmCall] = []
         self.point: str | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
-        packet = func.overloadpacket
-        if packet in GEMM_OPS:
-            found: list[str] = []
-            for a in tree_leaves((args, kwargs)):
-                if isinstance(a, torch.Tensor) and a.dim() >= 2:
-                    found += [n for n in self._params(a) if n not in found]
-            self.calls += [GemmCall(packet.__name__, name, self.point) for name in found]
-        moved = [(t, self._whole(t)) for t in args[0]] if packet in _MOVE_OPS else []
+        tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        named = {n: None for t in tensors for n in self._params(t)}
+        activation = any(
+            _storage(t) in self.activations or (_storage(t) not in self.constants and not self._params(t))
+            for t in tensors
+        )
+        pending = frozenset().union(*(self.pending.get(_storage(t), ()) for t in tensors))
+        if is_gemm_op(func):
+            pending = self._gemm(func, tensors, activation, pending)
+        moved = [(t, self._whole(t)) for t in args[0]] if func.overloadpacket in _MOVE_OPS else []
         out = func(*args, **kwargs)
-        if packet in _COPY_OPS and isinstance(out, torch.Tensor):
-            moved = [(out, self._whole(args[0]))]
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            if activation:
+                self._keep(t, self.activations)
+            elif not named:
+                self._keep(t, self.constants)
+            else:  # a tensor computed from parameters alone (written into a buffer by ``out=`` too)
+                known = set(self._params(t))
+                for name in named:
+                    if name not in known:
+                        self._add(t, name, keep=True)
+                if pending:
+                    self.pending[_storage(t)] = self.pending.get(_storage(t), frozenset()) | pending
         for t, name in moved:
             if name is not None:
-                self._add(t, name)
-                self.copies.append(t)
+                self._add(t, name, keep=True)
+        if func.overloadpacket in _GATHER_OPS and isinstance(out, torch.Tensor) and args[0].dim() >= 3:
+            for name in self._params(args[0]):  # a stack of weight matrices gathered per token (MoE)
+                self._add(out, name, keep=True)
         return out
 
-    def _add(self, t: torch.Tensor, name: str) -> None:
+    def _gemm(
+        self, func: Any, tensors: list[torch.Tensor], activation: bool, pending: frozenset
+    ) -> frozenset:
+        """Record a GEMM call; returns the weights-only calls its result carries on (see the class)."""
+        found: list[str] = []
+        for a in tensors:
+            if a.dim() >= 2:
+                found += [n for n in self._params(a) if n not in found]
+        name = func.overloadpacket.__name__
+        if self.point is not None:  # inside a point: the weights-only GEMMs behind its weight are covered
+            for k in pending:
+                self.calls[k] = GemmCall(self.calls[k].op, self.calls[k].param, self.point)
+            pending = frozenset()
+        first = len(self.calls)
+        self.calls += [GemmCall(name, n, self.point) for n in found]
+        if not activation and self.point is None:
+            pending = pending | frozenset(range(first, len(self.calls)))
+        return pending
+
+    def _keep(self, t: torch.Tensor, kind: set[int]) -> None:
+        ptr = _storage(t)
+        if ptr and ptr not in kind:
+            kind.add(ptr)
+            self.kept.append(t)
+
+    def _add(self, t: torch.Tensor, name: str, keep: bool = False) -> None:
         ptr = _storage(t)
         if ptr:
             self.spans.setdefault(ptr, []).append((*_span(t), name))
+            if keep:
+                self.kept.append(t)
 
     def _params(self, t: torch.Tensor) -> list[str]:
-        """The parameters whose memory ``t`` overlaps."""
+        """The parameters whose memory ``t`` overlaps, or which it was computed from."""
         start, end = _span(t)
         return [n for s, e, n in self.spans.get(_storage(t), ()) if s < end and start < e]
 
@@ -469,18 +516,18 @@ def count_gemm_calls(
     ``ScaledGEMM`` (or product with a beta) made it. No grad, so the scaler's state is not touched; the
     training flag is kept, the buffers (batch-norm statistics) and the random generators are restored."""
     params = {name: p for p in model.parameters() if (name := names.get(id(p))) is not None}
-    counter = GemmCalls(params)
+    counter = GemmCalls(params, list(model.buffers()))
     gemm_forward = ScaledGEMM.__dict__["_forward"]
-    product_forward = Product.__dict__["forward"]
+    products = {cls: cls.__dict__["forward"] for cls in (Product, AttentionCore)}
 
     def in_gemm(*a: Any, **k: Any) -> Any:
         point = next((x for x in a if isinstance(x, GemmPoint)), None)
         with _inside(counter, point.name if point is not None else None):
             return gemm_forward.__func__(*a, **k)
 
-    def in_product(self: Product, *a: Any, **k: Any) -> Any:
+    def in_product(self: Product | AttentionCore, *a: Any, **k: Any) -> Any:
         with _inside(counter, self.name if self.point_index is not None else counter.point):
-            return product_forward(self, *a, **k)
+            return products[type(self)](self, *a, **k)
 
     tensors = [
         t for t in tree_leaves((args, kwargs, list(model.parameters()))) if isinstance(t, torch.Tensor)
@@ -489,13 +536,15 @@ def count_gemm_calls(
     tables = [(m, dict(m._buffers)) for m in model.modules()]  # a buffer may be replaced, not written
     buffers = [(t, t.detach().clone()) for t in model.buffers()]
     ScaledGEMM._forward = staticmethod(in_gemm)
-    Product.forward = in_product
+    for cls in products:
+        cls.forward = in_product
     try:
         with torch.random.fork_rng(devices=cuda), torch.no_grad(), counter:
             model(*args, **kwargs)
     finally:
         ScaledGEMM._forward = gemm_forward
-        Product.forward = product_forward
+        for cls, forward in products.items():
+            cls.forward = forward
         for m, table in tables:
             m._buffers.update(table)
         with torch.no_grad():

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from adaloss.adaptive.gemms import grouped_mm, grouped_wgrad
 from adaloss.adaptive.rules import (
     ScaleRule,
     Statistics,
@@ -178,7 +179,8 @@ def _conv_backward(grad, x, w, spec, mask):
 class ScaledGEMM(torch.autograd.Function):
     """A conv or linear layer whose backward pass is Algorithm 3 with Algorithm 4's local scale.
 
-    ``spec`` describes the layer (``kind``: "linear" | "conv" | "conv_transpose", strides, padding, ...).
+    ``spec`` describes the layer (``kind``: "linear" | "conv" | "conv_transpose" | "grouped", strides,
+    padding, ...; a grouped GEMM's ``offs``: one beta for all its groups, see docs/transform.md).
     In emulation it rounds like :class:`~adaloss.numerics.emulation.EmulatedAutocast` would around a GEMM:
     the weight copy, the output, the beta-scaled gradient used for the input gradient, and the weight
     gradient before it is brought to the root scale in the FP32 master gradient; the incoming gradient
@@ -250,6 +252,8 @@ class ScaledGEMM(torch.autograd.Function):
             y = F.linear(x, weight, bias)
         elif spec["kind"] == "conv":
             y = _conv_forward(x, weight, bias, spec)
+        elif spec["kind"] == "grouped":
+            y = grouped_mm(x, weight, spec["offs"])
         else:
             y = _conv_transpose_forward(x, weight, bias, spec)
         if fmt is not None:
@@ -314,6 +318,11 @@ class ScaledGEMM(torch.autograd.Function):
                 d2 = delta.reshape(-1, delta.shape[-1])
                 grad_w = d2.t().matmul(x.reshape(-1, x.shape[-1]))
                 grad_b = d2.sum(0) if ctx.has_bias else None
+        elif spec["kind"] == "grouped":  # one beta for every group: the input gradient is one tensor
+            if need_x:
+                grad_x = grouped_mm(scaled.contiguous(), w.transpose(-2, -1), spec["offs"])
+            if need_w:
+                grad_w = grouped_wgrad(x, delta.contiguous(), spec["offs"], w.shape[0])
         elif scaled is not delta:
             grad_x = _conv_backward(scaled, x, w, spec, [True, False, False])[0]
             if need_w:

@@ -33,6 +33,7 @@ construct.
 from __future__ import annotations
 
 import inspect
+import math
 import operator
 from collections import Counter
 from typing import Any
@@ -54,6 +55,7 @@ from adaloss.adaptive.attention import (
     mha_core,
 )
 from adaloss.adaptive.capture import ATEN_METADATA, CapturedForward, CaptureError, capture, is_guard
+from adaloss.adaptive.gemms import WEIGHT_GEMM_METHODS, GemmForm, weight_gemm
 from adaloss.adaptive.mutation import (
     FIXED_VIEW_FUNCTIONS,
     FIXED_VIEW_METHODS,
@@ -73,6 +75,7 @@ from adaloss.adaptive.ops import (
     UnscalePoint,
 )
 from adaloss.adaptive.rules import backward_fan_in
+from adaloss.adaptive.weights import WeightSources, computed_weight_params, kept_buffers, weight_name
 from adaloss.errors import ConfigError
 
 __all__ = [
@@ -124,25 +127,42 @@ class AdaptiveGEMM(nn.Module):
 
     def __init__(self, layer: nn.Module, state: AdaptiveState, path: str) -> None:
         super().__init__()
-        self.weight = layer.weight
-        if layer.bias is not None:
-            self.bias = layer.bias
-        else:
-            self.register_parameter("bias", None)
+        computed = computed_weight_params(layer)
+        if computed is None:
+            self.weight = layer.weight
+            self.register_parameter("bias", layer.bias)
+            self.sources = [layer.weight]
+        else:  # the layer's own tensors and children under their names: state_dict() keys do not change
+            _adopt(self, layer)
+            self.sources = [p for _, p in computed]
         object.__setattr__(self, "layer", layer)  # not a submodule: its parameters are already ours
         object.__setattr__(self, "state", state)
+        self.computed = computed is not None
+        with kept_buffers(layer):
+            self.weight_shape = tuple(self._weight(None).shape)
         self.layer_type = type(layer).__name__
         self.spec = _layer_spec(layer, path)
         self.pad_mode = getattr(layer, "padding_mode", "zeros")
         # not submodules: the modules are registered where they are called
         object.__setattr__(self, "carriers", {})
 
+    def _weight(self, x: torch.Tensor | None) -> torch.Tensor:
+        """The weight the layer multiplies: its parameter, or the tensor its parametrization computes (an
+        old-style ``weight_norm`` / ``spectral_norm`` hook run first, as the layer's call would)."""
+        if not self.computed:
+            return self._parameters["weight"]
+        layer = self.layer
+        for hook in layer._forward_pre_hooks.values():
+            if getattr(hook, "name", None) == "weight" and hasattr(hook, "compute_weight"):
+                hook(layer, (x,))
+        return layer.weight
+
     def forward(self, x: torch.Tensor, point_index: int) -> Any:
         if self.pad_mode != "zeros":
             x = F.pad(x, self.layer._reversed_padding_repeated_twice, mode=self.pad_mode)
         state, params = self.state, self._parameters
         point = state.gemms[point_index]
-        w, b, grad = params["weight"], params["bias"], torch.is_grad_enabled()
+        w, b, grad = self._weight(x), params.get("bias"), torch.is_grad_enabled()
         if not point.carried:
             return GradRound.wrap(ScaledGEMM.apply(x, w, b, point, state, self.spec, grad), point)
         owner, names = self.carriers[point_index]
@@ -186,6 +206,21 @@ class BranchModule(nn.Module):
         return f"{self.point.name}, {len(self.point.in_slots)} consumers"
 
 
+def _adopt(wrapper: nn.Module, module: nn.Module) -> None:
+    """Register ``module``'s own parameters (None entries too: a norm without bias), buffers and children on
+    ``wrapper`` under the same names, so ``state_dict()`` keys do not change. One parameter table for both:
+    what replaces a parameter in the wrapper (FSDP2's fully_shard swaps sharded and whole parameters in and
+    out of the module it shards) is what the wrapped module's forward reads."""
+    for name, p in module._parameters.items():
+        wrapper.register_parameter(name, p)
+    object.__setattr__(module, "_parameters", wrapper._parameters)
+    persistent = set(getattr(module, "_non_persistent_buffers_set", ()))
+    for name, b in module.named_buffers(recurse=False):
+        wrapper.register_buffer(name, b, persistent=name not in persistent)
+    for name, child in module.named_children():
+        wrapper.add_module(name, child)
+
+
 def _check_no_tensor_inside(value: Any, name: str) -> None:
     """A container used by several ops may hold shapes and ints, not tensors that carry gradients: their
     gradients would meet without Algorithm 5."""
@@ -207,17 +242,24 @@ class FunctionalGEMM(nn.Module):
 
     pad_mode = "zeros"
 
-    def __init__(self, state: AdaptiveState, spec: dict[str, Any], name: str) -> None:
+    def __init__(self, state: AdaptiveState, spec: dict[str, Any], name: str, weights: list[str]) -> None:
         super().__init__()
         object.__setattr__(self, "state", state)
         self.spec = spec
         self.name = name
+        self.weights = weights  # the parameters the weight is (or is computed from), largest first
 
     def forward(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, point_index: int
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        point_index: int,
+        offs: torch.Tensor | None = None,
     ) -> torch.Tensor:
         point = self.state.gemms[point_index]
-        y = ScaledGEMM.apply(x, weight, bias, point, self.state, self.spec, torch.is_grad_enabled())
+        spec = self.spec if offs is None else {**self.spec, "offs": offs}  # a grouped GEMM's group ends
+        y = ScaledGEMM.apply(x, weight, bias, point, self.state, spec, torch.is_grad_enabled())
         return GradRound.wrap(y, point)
 
     def extra_repr(self) -> str:
@@ -250,16 +292,7 @@ class UnscaledParams(nn.Module):
 
     def __init__(self, module: nn.Module, shared: list[str], state: AdaptiveState) -> None:
         super().__init__()
-        for name, p in module._parameters.items():  # None entries too (a norm without bias): see below
-            self.register_parameter(name, p)
-        # one parameter table for both: what replaces a parameter here (FSDP2's fully_shard swaps sharded and
-        # whole parameters in and out of the module it shards) is what the wrapped module's forward reads
-        object.__setattr__(module, "_parameters", self._parameters)
-        persistent = set(getattr(module, "_non_persistent_buffers_set", ()))
-        for name, b in module.named_buffers(recurse=False):
-            self.register_buffer(name, b, persistent=name not in persistent)
-        for name, child in module.named_children():
-            self.add_module(name, child)
+        _adopt(self, module)
         object.__setattr__(self, "module", module)  # not a submodule: its tensors are registered above
         object.__setattr__(self, "state", state)
         self.training = module.training
@@ -508,9 +541,12 @@ class _Rewrite:
         self.branch_nodes: dict[fx.Node, BranchPoint] = {}
         self.unscale_nodes: dict[fx.Node, UnscalePoint] = {}  # ParamUnscale nodes on parameter uses
         self.tied_nodes: dict[fx.Node, list[UnscalePoint]] = {}  # calls of modules holding parameters
-        self.gemm_params: dict[int, nn.Parameter] = {}  # every parameter a GEMM point multiplies or adds
         self.weight_params: dict[int, nn.Parameter] = {}  # the parameters under GEMM weights
-        self.chains: set[fx.Node] = set()  # nodes holding a parameter (or a fixed view of one) a GEMM uses
+        # nodes holding a weight a GEMM uses (a parameter, a fixed view of one, or a tensor computed from
+        # parameters alone), and per node the name of the largest parameter it is made from
+        self.chains: dict[fx.Node, str] = {}
+        self.nondiff: set[fx.Node] = set()  # integer arguments of GEMM points (a grouped GEMM's offsets)
+        self.sources: WeightSources | None = None  # made once in-place writes are redirected
         self.metadata: dict[fx.Node, bool] = {}
         self.calls: Counter[str] = Counter()  # one name counter for every kind of point
 
@@ -529,16 +565,18 @@ class _Rewrite:
         self.calls[base] += 1
         return base if k == 0 else f"{base}#{k}"
 
-    def own(self, w_chain: list[fx.Node], b_chain: list[fx.Node]) -> None:
-        """Record the parameters behind a GEMM's weight and bias chains."""
-        self.chains.update(w_chain)
-        self.chains.update(b_chain)
-        for chain in (w_chain, b_chain):
-            if chain:
-                p = _get_attr(self.gm, chain[0].target)
-                self.gemm_params[id(p)] = p
-        root = _get_attr(self.gm, w_chain[0].target)
-        self.weight_params[id(root)] = root
+    def own(self, w: fx.Node, b: Any) -> list[str]:
+        """Record the nodes and parameters behind a GEMM's weight and bias; the names of the weight's
+        parameters, largest first."""
+        params = sorted(self.sources.params(w), key=lambda item: -item[1].numel())
+        for _, p in params:
+            self.weight_params[id(p)] = p
+        for value in (w, b):
+            if isinstance(value, fx.Node):
+                names = [n for n, _ in sorted(self.sources.params(value), key=lambda item: -item[1].numel())]
+                for node in self.sources.chain(value):
+                    self.chains.setdefault(node, names[0])
+        return [n for n, _ in params]
 
     def replace(self, node: fx.Node, target: str, module: nn.Module, args: tuple, kwargs: dict) -> fx.Node:
         self.gm.add_submodule(target, module)
@@ -557,13 +595,16 @@ class _Rewrite:
         modules = dict(self.gm.named_modules())
         wrappers: dict[str, AdaptiveGEMM] = {}
         products = 0
+        self.sources = WeightSources(self.gm)
         for node in list(self.graph.nodes):
             if node.op == "call_module" and isinstance(modules.get(node.target), GEMM_TYPES):
                 self._layer_point(node, modules[node.target], wrappers)
-            elif (call := _functional_gemm(self.gm, node)) is not None:
+            elif (call := _functional_gemm(self.gm, node, self.sources)) is not None:
                 self._functional_point(node, call)
             elif node.op == "call_function" and node.target in LEAF_GEMMS:
                 self._leaf_points(node)
+            elif self._weights_only(node):
+                continue  # a product of weights (LoRA's B @ A): part of a weight's computation, no point
             else:
                 module = _product_module(node, self.state, self.tracer, self.point_name, product_betas)
                 if module is None:
@@ -586,33 +627,45 @@ class _Rewrite:
             )
         if node.target not in wrappers:
             wrappers[node.target] = AdaptiveGEMM(layer, self.state, node.target)
-            for p in wrappers[node.target].parameters():
-                self.gemm_params[id(p)] = p
-            self.weight_params[id(layer.weight)] = layer.weight
+            for p in wrappers[node.target].sources:
+                self.weight_params[id(p)] = p
         wrapper = wrappers[node.target]
-        fan_in = backward_fan_in(wrapper.spec["kind"], layer.weight.shape, wrapper.spec.get("groups", 1))
-        point = self.state.add_gemm(self.point_name(node.target), fan_in, layer.weight.numel())
+        shape = wrapper.weight_shape
+        fan_in = backward_fan_in(wrapper.spec["kind"], shape, wrapper.spec.get("groups", 1))
+        point = self.state.add_gemm(self.point_name(node.target), fan_in, math.prod(shape))
         node.args = (node.args[0], point.index)
         self.gemm_nodes[node] = point
         self.weight_args[node] = set()
 
     def _functional_point(self, node: fx.Node, call: tuple) -> None:
-        """``F.linear`` / ``F.conv*`` / ``x @ W`` whose weight is a parameter or a fixed view of one."""
-        x, w, b, spec, value, transpose = call
-        w_chain = _param_chain(self.gm, w)
-        b_chain = _param_chain(self.gm, b) if b is not None else []
+        """``F.linear`` / ``F.conv*`` / ``x @ W`` / a grouped GEMM whose weight is a parameter, a fixed view
+        of one or computed from parameters (:class:`~adaloss.adaptive.weights.WeightSources`)."""
+        x, w, b, spec, value, transpose, offs = call
+        names = self.own(w, b)
         if transpose:  # x @ W computes F.linear(x, W^T)
             with self.graph.inserting_before(node):
-                w = self.graph.call_method("t", (w,))
-            w_chain = [*w_chain, w]
-            value = value.t()
-        fan_in = backward_fan_in(spec["kind"], value.shape, spec.get("groups", 1))
-        point = self.state.add_gemm(self.point_name(_weight_name(w_chain[0].target)), fan_in, value.numel())
-        module = FunctionalGEMM(self.state, spec, point.name)
-        new = self.replace(node, f"_adaloss_gemm_{point.index}", module, (x, w, b, point.index), {})
+                t = self.graph.call_method("t", (w,))
+            self.chains[t] = self.chains[w]
+            w, value = t, value.t()
+        shape = (value.shape[-1], value.shape[-2]) if spec["kind"] == "grouped" else value.shape
+        fan_in = backward_fan_in(
+            "linear" if spec["kind"] == "grouped" else spec["kind"], shape, spec.get("groups", 1)
+        )
+        point = self.state.add_gemm(self.point_name(weight_name(names)), fan_in, value.numel())
+        module = FunctionalGEMM(self.state, spec, point.name, names)
+        args = (x, w, b, point.index) if offs is None else (x, w, b, point.index, offs)
+        new = self.replace(node, f"_adaloss_gemm_{point.index}", module, args, {})
         self.gemm_nodes[new] = point
-        self.weight_args[new] = {w} if b is None else {w, b}
-        self.own(w_chain, b_chain)
+        self.weight_args[new] = {v for v in (w, b, offs) if isinstance(v, fx.Node)}
+        if isinstance(offs, fx.Node):
+            self.nondiff.add(offs)
+
+    def _weights_only(self, node: fx.Node) -> bool:
+        """Whether ``node`` is an op fed by weights alone (no model input reaches it, a parameter does)."""
+        product = (node.op == "call_function" and node.target in PRODUCT_FUNCTIONS) or (
+            node.op == "call_method" and node.target in PRODUCT_METHODS
+        )
+        return product and self.sources.is_weight(node) and _feeds_only_weights(node, self.sources)
 
     def _leaf_points(self, node: fx.Node) -> None:
         """A call of a function fx keeps as a leaf that holds GEMMs (Swin's attention)."""
@@ -621,19 +674,16 @@ class _Rewrite:
         points = []
         for w_name, b_name, _ in entry["gemms"]:
             w, b = bound.get(w_name), bound.get(b_name)
-            w_chain = _param_chain(self.gm, w)
-            b_chain = _param_chain(self.gm, b) if b is not None else []
-            if not w_chain or b_chain is None:
+            if not self.sources.is_weight(w) or (b is not None and not self.sources.is_weight(b)):
                 raise AdaptiveTransformError(
                     f"{node.target.__qualname__} at '{_module_path(node)}' is called with {w_name} or "
                     f"{b_name} not a parameter; the adaptive scaler needs parameters there"
                 )
-            value = _chain_value(self.gm, w)
-            name = self.point_name(_weight_name(w_chain[0].target))
+            value = self.sources.value(w)
+            name = self.point_name(weight_name(self.own(w, b)))
             points.append(
                 self.state.add_gemm(name, backward_fan_in("linear", value.shape), value.numel()).index
             )
-            self.own(w_chain, b_chain)
         leaf = LeafGEMMs(node.target, entry, points, self.state, _module_path(node) or node.name)
         new = self.replace(node, f"_adaloss_leaf_{len(self.leaf_nodes)}", leaf, node.args, node.kwargs)
         self.leaf_nodes[new] = leaf
@@ -660,7 +710,7 @@ class _Rewrite:
                     continue
                 if user in self.leaf_nodes and _leaf_param_use(user, self.leaf_nodes[user], node):
                     continue
-                point = state.add_unscale(self.point_name(_chain_root(node).target))
+                point = state.add_unscale(self.point_name(self.chains.get(node, node.target)))
                 target = f"_adaloss_unscale_{point.index}"
                 gm.add_submodule(target, ParamUnscaleModule(point, state))
                 with graph.inserting_before(user):
@@ -671,6 +721,8 @@ class _Rewrite:
         for node in list(graph.nodes):
             if node.op != "call_module" or node in self.gemm_nodes or node.target.startswith("_adaloss_"):
                 continue
+            if node in self.chains:
+                continue  # a module computing a GEMM's weight (a parametrization): at the root scale
             mod = gm.get_submodule(node.target)
             shared = [n for n, _ in mod.named_parameters()]
             if not shared:
@@ -692,7 +744,12 @@ class _Rewrite:
         for node in list(self.graph.nodes):
             if node.op == "output" or _is_metadata(node, self.metadata) or _is_container(node):
                 continue
-            if node in self.chains or node.op == "get_attr" or _carries_no_gradient(node):
+            if (
+                node in self.chains
+                or node in self.nondiff
+                or node.op == "get_attr"
+                or _carries_no_gradient(node)
+            ):
                 continue  # GEMM weights, parameters (per use), buffers, constants, integer tensors
             users = _diff_users(node)
             if len(users) < 2:
@@ -829,14 +886,6 @@ class _Rewrite:
             gemm.carriers[point.index] = (tied, names)
 
 
-_CONV_FUNCTIONS = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}
-_CONV_T_FUNCTIONS = {F.conv_transpose1d: 1, F.conv_transpose2d: 2, F.conv_transpose3d: 3}
-_MATMUL_FUNCTIONS = {torch.matmul, operator.matmul, torch.mm}
-_MATMUL_METHODS = {"matmul", "mm", "__matmul__"}
-_CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
-_CONV_T_ARGS = ("input", "weight", "bias", "stride", "padding", "output_padding", "groups", "dilation")
-
-
 def _bind(node: fx.Node, names: tuple[str, ...], start: int = 0) -> dict[str, Any] | None:
     """``node``'s arguments by name (positional from ``names[start:]``), or None if they do not fit."""
     if len(node.args) > len(names) - start or any(k not in names for k in node.kwargs):
@@ -881,97 +930,94 @@ def _param_chain(gm: fx.GraphModule, node: Any) -> list[fx.Node] | None:
     return None if chain is None else [*chain, node]
 
 
-def _chain_value(gm: fx.GraphModule, node: fx.Node) -> torch.Tensor:
-    """The (detached) tensor a :func:`_param_chain` node holds, computed now, for its shape."""
-    if node.op == "get_attr":
-        return _get_attr(gm, node.target).detach()
-    src = _chain_value(gm, node.args[0])
-    with torch.no_grad():
-        if node.op == "call_method":
-            return getattr(src, node.target)(*node.args[1:], **node.kwargs)
-        return node.target(src, *node.args[1:], **node.kwargs)
-
-
-def _chain_root(node: fx.Node) -> fx.Node:
-    while node.op != "get_attr":
-        node = node.args[0]
-    return node
-
-
-def _weight_name(target: str) -> str:
-    """A GEMM point's name from its weight's: ``blocks.0.attn.qkv.weight`` -> ``blocks.0.attn.qkv``,
-    ``self_attn.in_proj_weight`` -> ``self_attn.in_proj``."""
-    for suffix in (".weight", "_weight"):
-        if target.endswith(suffix):
-            return target[: -len(suffix)]
-    return target
-
-
 def _module_path(node: fx.Node) -> str:
     """The path of the module whose forward made ``node`` ("" for the root)."""
     stack = node.meta.get("nn_module_stack")
     return list(stack.values())[-1][0] if stack else ""
 
 
-def _functional_gemm(gm: fx.GraphModule, node: fx.Node) -> tuple | None:
-    """``(input, weight node, bias node, spec, weight value, transpose)`` if ``node`` is ``F.linear``,
-    ``F.conv*``, ``x @ W`` / ``torch.mm(x, W)`` or ``torch.addmm(b, x, W)`` whose weight (and bias) is a
-    parameter or a fixed view of one and whose input is not; ``transpose``: the weight is ``W`` of
-    ``x @ W`` (``F.linear`` takes W^T)."""
-    transpose = False
-    if node.op == "call_function" and node.target is F.linear:
-        bound = _bind(node, ("input", "weight", "bias"))
-        spec_of = lambda value: {"kind": "linear"}  # noqa: E731
-    elif node.op == "call_function" and (node.target in _CONV_FUNCTIONS or node.target in _CONV_T_FUNCTIONS):
-        transposed = node.target in _CONV_T_FUNCTIONS
-        bound = _bind(node, _CONV_T_ARGS if transposed else _CONV_ARGS)
-        if bound is None:
-            return None
-        options = {k: v for k, v in bound.items() if k not in ("input", "weight", "bias")}
-        if _has_node(options):
-            raise AdaptiveTransformError(
-                f"{node.target.__name__} at '{_module_path(node) or node.name}' gets its stride, padding or "
-                "groups from a tensor; the adaptive scaler needs constants there"
-            )
+def _gemm_form(node: fx.Node) -> GemmForm | None:
+    """The entry of :data:`~adaloss.adaptive.gemms.WEIGHT_GEMMS` that ``node`` calls, if any."""
+    if node.op == "call_function":
+        return weight_gemm(node.target)
+    if node.op == "call_method":
+        return WEIGHT_GEMM_METHODS.get(node.target)
+    return None
 
-        def spec_of(value: torch.Tensor, options=options, transposed=transposed) -> dict[str, Any]:
-            return _conv_spec(
-                f"{node.target.__name__} at '{_module_path(node) or node.name}'",
-                transposed,
-                tuple(value.shape[2:]),
-                options.get("stride", 1),
-                options.get("padding", 0),
-                options.get("dilation", 1),
-                options.get("groups", 1),
-                options.get("output_padding", 0),
-            )
-    elif node.op == "call_function" and node.target is torch.addmm:  # bias + x @ W (GPT-2's Conv1D)
-        bound = _bind(node, ("bias", "input", "weight", "beta", "alpha"))
-        if bound is None or bound.pop("beta", 1) != 1 or bound.pop("alpha", 1) != 1:
-            return None
-        transpose = True
-        spec_of = lambda value: {"kind": "linear"}  # noqa: E731
-    elif (node.op == "call_function" and node.target in _MATMUL_FUNCTIONS) or (
-        node.op == "call_method" and node.target in _MATMUL_METHODS
-    ):
-        bound = _bind(node, ("input", "weight"))
-        transpose = True
-        spec_of = lambda value: {"kind": "linear"}  # noqa: E731
-    else:
+
+def _functional_gemm(gm: fx.GraphModule, node: fx.Node, sources: WeightSources) -> tuple | None:
+    """``(input, weight node, bias node, spec, weight value, transpose, offs)`` if ``node`` is a GEMM of
+    :data:`~adaloss.adaptive.gemms.WEIGHT_GEMMS` (``F.linear``, ``F.conv*``, ``x @ W``, ``torch.addmm(b, x,
+    W)``, a grouped GEMM) whose weight (and bias) is a parameter, a fixed view of one or computed from
+    parameters alone, and whose input is not; ``transpose``: the weight is ``W`` of ``x @ W`` (``F.linear``
+    takes W^T); ``offs``: a grouped GEMM's group ends."""
+    form = _gemm_form(node)
+    if form is None:
         return None
+    bound = _bind(node, form.args)
     if bound is None or "weight" not in bound:
         return None
+    if form.kind == "addmm" and (bound.pop("beta", 1) != 1 or bound.pop("alpha", 1) != 1):
+        return None
+    if form.kind == "grouped" and (bound.get("bias") is not None or bound.get("out_dtype") is not None):
+        return None  # a bias or an output dtype of the kernel's own: counted by coverage() as unscaled
     x, w, b = bound.get("input"), bound["weight"], bound.get("bias")
-    if not isinstance(x, fx.Node) or _param_chain(gm, x) is not None or _param_chain(gm, w) is None:
+    if not isinstance(x, fx.Node) or _param_chain(gm, x) is not None or not sources.is_weight(w):
         return None
-    if b is not None and _param_chain(gm, b) is None:
+    if sources.is_free(x) and _feeds_only_weights(node, sources):
+        return None  # a GEMM of weights computing a GEMM's weight: part of that weight's computation
+    if b is not None and not sources.is_weight(b):
         return None  # an activation bias: its gradient must keep its alpha, so not a GEMM point here
-    value = _chain_value(gm, w)
-    if transpose and value.dim() != 2:
+    value = sources.value(w)
+    transpose = form.kind in ("matmul", "addmm")
+    wanted = {"grouped": 3, "linear": 2, "matmul": 2, "addmm": 2}.get(form.kind)
+    if wanted is not None and value.dim() != wanted:
         return None
-    if not transpose and node.target is F.linear and value.dim() != 2:
-        return None
-    return x, w, b, spec_of(value), value, transpose
+    return x, w, b, _spec(node, form, bound, value), value, transpose, bound.get("offs")
+
+
+def _feeds_only_weights(node: fx.Node, sources: WeightSources) -> bool:
+    """Whether every path from ``node`` (a value computed from weights alone) through further such values
+    ends as the weight or bias operand of a GEMM (LoRA's ``B @ A`` in ``W + B @ A``); False where the value
+    meets an activation (a learned query projected and attended to)."""
+    todo, seen = [node], set()
+    while todo:
+        value = todo.pop()
+        for user in value.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            if sources.is_free(user):
+                todo.append(user)
+                continue
+            form = _gemm_form(user)
+            bound = _bind(user, form.args) if form is not None else None
+            if bound is None or not any(bound.get(k) is value for k in ("weight", "bias")):
+                return False
+    return True
+
+
+def _spec(node: fx.Node, form: GemmForm, bound: dict[str, Any], value: torch.Tensor) -> dict[str, Any]:
+    """The description :class:`ScaledGEMM` takes of a functional GEMM."""
+    if form.kind not in ("conv", "conv_transpose"):
+        return {"kind": "grouped" if form.kind == "grouped" else "linear"}
+    where = f"{node.target.__name__} at '{_module_path(node) or node.name}'"
+    options = {k: v for k, v in bound.items() if k not in ("input", "weight", "bias")}
+    if _has_node(options):
+        raise AdaptiveTransformError(
+            f"{where} gets its stride, padding or groups from a tensor; the adaptive scaler needs constants "
+            "there"
+        )
+    return _conv_spec(
+        where,
+        form.kind == "conv_transpose",
+        tuple(value.shape[2:]),
+        options.get("stride", 1),
+        options.get("padding", 0),
+        options.get("dilation", 1),
+        options.get("groups", 1),
+        options.get("output_padding", 0),
+    )
 
 
 def _product_module(

@@ -178,6 +178,23 @@ def _cast(batch: Sequence[Any] | dict[str, Any], dtype: torch.dtype) -> tuple[An
     return tuple(cast(t) for t in batch)
 
 
+def _copy(model: nn.Module) -> nn.Module:
+    """``copy.deepcopy(model)``, also for a model with the old ``nn.utils.weight_norm`` / ``spectral_norm``
+    hooks, whose computed weight (not a graph leaf) deepcopy refuses: it is left out of the copy, where the
+    hook computes it again at the first forward pass."""
+    computed = []
+    for m in model.modules():
+        for hook in m._forward_pre_hooks.values():
+            name = getattr(hook, "name", None)
+            if hasattr(hook, "compute_weight") and name in m.__dict__:
+                computed.append((m, name, m.__dict__.pop(name)))
+    try:
+        return copy.deepcopy(model)
+    finally:
+        for m, name, value in computed:
+            m.__dict__[name] = value
+
+
 def check_gradients(
     model: nn.Module,
     batches: Sequence[Sequence[Any]],
@@ -197,7 +214,10 @@ def check_gradients(
     pass is seeded with ``seed`` (dropout draws the same masks). Runs on the CPU; float64 and float32
     copies of the model are made. No optimizer step is taken: the weights stay as given. A model torch.fx
     cannot trace is captured with ``torch.export`` on the first batch (``AdaptiveLossScaler.attach``)."""
-    reference, noisy = copy.deepcopy(model).double(), copy.deepcopy(model).float()
+    reference, noisy = _copy(model).double(), _copy(model).float()
+    # the attached copies start from the buffers the reference started from (a parametrization's state,
+    # such as spectral norm's power iteration vectors, moves with every training-mode forward pass)
+    pristine = _copy(reference)
     expected = []
     for batch in batches:
         out = _gradients(reference, _cast(batch, torch.float64), loss_fn, seed)
@@ -208,9 +228,9 @@ def check_gradients(
         scaler = AdaptiveLossScaler(update_every=len(batches), rule=rule, **scaler_options)
         example = _cast(batches[0], torch.float64)  # captured with torch.export if fx cannot trace it
         if isinstance(example, dict):
-            attached = scaler.attach(copy.deepcopy(reference), **example)
+            attached = scaler.attach(_copy(pristine), **example)
         else:
-            attached = scaler.attach(copy.deepcopy(reference), *example)
+            attached = scaler.attach(_copy(pristine), *example)
         optimizer = torch.optim.SGD(attached.parameters(), lr=0.0)
         for step, (batch, (out, ref, ref32)) in enumerate(zip(batches, expected, strict=True)):
             key = (rule, "recompute" if step == 0 else "reuse")
