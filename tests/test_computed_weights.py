@@ -14,8 +14,8 @@ from torch import nn
 from torch.nn.utils import parametrizations, parametrize
 
 from adaloss.adaptive.attention import AdaptiveTracer
-from adaloss.scalers.exactness import check_gradients
 from adaloss.scalers.adaptive import AdaptiveLossScaler
+from adaloss.scalers.exactness import check_gradients
 
 
 class WSConv(nn.Conv2d):

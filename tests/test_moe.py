@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from adaloss.adaptive import AdaptiveTransformError
-from adaloss.scalers.exactness import _grads, compare
 from adaloss.scalers.adaptive import AdaptiveLossScaler
+from adaloss.scalers.exactness import _grads, compare
 
 
 class E(nn.Module):

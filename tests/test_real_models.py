@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from adaloss.scalers.exactness import check_gradients
 from adaloss.scalers.adaptive import AdaptiveLossScaler
+from adaloss.scalers.exactness import check_gradients
 
 timm = pytest.importorskip("timm")
 transformers = pytest.importorskip("transformers")
