@@ -166,3 +166,15 @@ def tiny_timed_model(monkeypatch: pytest.MonkeyPatch, single_thread: None) -> Ca
         monkeypatch.setattr(gpucheck, "_model", build)
 
     return install
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state() -> Iterator[None]:
+    """Accelerate keeps process-wide state (mixed precision, gradient accumulation) that a transformers
+    Trainer or an Accelerator leaves behind; reset it after each test that loaded it, as transformers' own
+    tests do, so the next Accelerator in this worker starts from none whatever the test order."""
+    yield
+    state = sys.modules.get("accelerate.state")
+    if state is not None:
+        state.AcceleratorState._reset_state(reset_partial_state=True)
+        state.GradientState._reset_state()
