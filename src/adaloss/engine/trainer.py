@@ -68,12 +68,12 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from adaloss.data import build_datasets, make_loader
 from adaloss.data.loaders import BatchStream
 from adaloss.distributed import DistInfo, destroy, rank_seed
+from adaloss.engine.admission import Admission
 from adaloss.engine.checkpoint import (
     CheckpointManager,
     CheckpointParts,
     Progress,
     Resume,
-    check_model_shapes,
     config_key,
     save_atomic,
 )
@@ -82,11 +82,8 @@ from adaloss.engine.config import resolved_config, schedule_length, validate_con
 from adaloss.engine.faults import DivergenceGuard, GradientFaults, SkippedStepReport, TrainingDiverged
 from adaloss.engine.optim import build_optimizer, build_schedule
 from adaloss.engine.run_folder import (
-    DONE_FILE,
     RunFolder,
     RunFolderError,
-    RunLock,
-    finished_run,
     resume_command,
     writing,
 )
@@ -102,7 +99,6 @@ from adaloss.schemas import DistributedConf
 from adaloss.telemetry import UnderflowMonitor
 from adaloss.utils import seed_everything, select_device
 from adaloss.utils.allocator import tune_cpu_allocator
-from adaloss.utils.targets import build_precision, build_scaler
 
 log = logging.getLogger(__name__)
 
@@ -161,11 +157,7 @@ def train(cfg: DictConfig, callbacks: Sequence[StepCallback] = ()) -> dict[str, 
             ``diverged: true`` and a null test metric (what the paper's tables print as "diverged").
     """
     started = time.perf_counter()
-    validate_config(cfg)
-    run_dir, config = _output_dir(cfg), resolved_config(cfg)
-    device = select_device(cfg.device)
-    if device.type == "cpu":
-        tune_cpu_allocator()  # no page faults per step from malloc returning memory (utils/allocator.py)
+    device = select_device(cfg.device)  # the one setting needed before the config is checked: the group's
     owns_group = not (dist.is_available() and dist.is_initialized())  # else a test's or a sweep's: keep it
     adaloss_log = logging.getLogger("adaloss")
     level, keep_group = adaloss_log.level, False
@@ -180,16 +172,20 @@ def train(cfg: DictConfig, callbacks: Sequence[StepCallback] = ()) -> dict[str, 
             atexit.register(destroy)
         if not ranks.is_main:
             adaloss_log.setLevel(max(logging.WARNING, level))  # one voice: rank 0 logs progress
+        numerics = validate_config(cfg, ranks.device)  # every check; the run's (precision, scaler)
+        run_dir, config = _output_dir(cfg), resolved_config(cfg)
+        if device.type == "cpu":
+            tune_cpu_allocator()  # no page faults per step from malloc returning memory (utils/allocator.py)
         if ranks.is_distributed:
             # the folder rank 0's Hydra chose (an unset hydra.run.dir holds a timestamp, which may differ)
             run_dir = Path(ranks.broadcast(str(run_dir)))
-        finished = _finished_run(cfg, run_dir, config, ranks)  # resume=auto on a finished run: nothing to do
-        if finished is not None:
-            return finished
+        admission = Admission(cfg.get("resume"), run_dir, config, ranks)
+        if (finished := admission.finished(_known_key(cfg))) is not None:
+            return finished  # resume=auto on a finished run: nothing to do
         folder = RunFolder(run_dir, enabled=ranks.is_main)
-        _on_rank0(ranks, folder.lock)  # first: a refused start must not write or log anything
+        admission.lock(folder)  # first: a refused start must not write or log anything
         with run_name_on_log_lines(_sweep_tag(cfg)):
-            metrics = _train(cfg, callbacks, started, run_dir, config, ranks, folder, stop)
+            metrics = _train(cfg, callbacks, started, admission, folder, stop, numerics)
         ranks.barrier()  # nobody leaves while another rank may still talk to it
         return metrics
     finally:
@@ -205,15 +201,14 @@ def _train(
     cfg: DictConfig,
     callbacks: Sequence[StepCallback],
     started: float,
-    run_dir: Path,
-    config: dict[str, Any],
-    ranks: DistInfo,
+    admission: Admission,
     folder: RunFolder,
     stop: StopRequests,
+    numerics: tuple[Precision, LossScaler],
 ) -> dict[str, Any]:
     """The phases of a run, in order: build every part, resume (or start fresh), train, finish."""
-    run = _build(cfg, run_dir, config, ranks, started)
-    _resume(run, folder)
+    run = _build(cfg, admission.run_dir, dict(admission.config), admission.ranks, started, numerics)
+    _resume(run, admission, folder)
     diverged = _loop(run, callbacks, stop)
     return _finish(run, folder, diverged)
 
@@ -268,9 +263,17 @@ class _Run:
 # ------------------------------------------------------------------------------------------------ build
 
 
-def _build(cfg: DictConfig, run_dir: Path, config: dict[str, Any], ranks: DistInfo, started: float) -> _Run:
+def _build(
+    cfg: DictConfig,
+    run_dir: Path,
+    config: dict[str, Any],
+    ranks: DistInfo,
+    started: float,
+    numerics: tuple[Precision, LossScaler],
+) -> _Run:
     """Build phase: every part of the run from its config, in the order that fixes the random streams
-    (the same on every rank until the model exists). Writes nothing."""
+    (the same on every rank until the model exists), around the precision and scaler ``validate_config``
+    built. Writes nothing."""
     strategy = _strategy(cfg, ranks)  # first: a strategy this launch cannot run is refused before any work
     if ranks.device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # fixed input shapes: let cuDNN pick the fastest kernels
@@ -280,12 +283,9 @@ def _build(cfg: DictConfig, run_dir: Path, config: dict[str, Any], ranks: DistIn
 
     # ---- loss scaler, precision (this order: the adaptive scaler returns a transformed model, whose GEMM
     # layers the precision then names for telemetry)
-    precision = build_precision(cfg.precision, ranks.device, telemetry_format=str(cfg.telemetry.format))
+    precision, scaler = numerics
     precision.apply_tf32()  # FP32 stays FP32 on Ampere+ GPUs unless precision.allow_tf32=true
     provenance = collect_provenance(ranks.device, precision)  # code, packages, hardware: for metrics.json
-    # The scaler guards the gradients, so it needs the gradient format (fp8_e5m2 differs from the
-    # weight/activation format); None for an fp32 run.
-    scaler = build_scaler(cfg.scaler, precision.grad_format)
     module = precision.prepare(_attach(scaler, task))
     # trainer.compile: a compiled wrapper sharing module's parameters; DDP last, around it (it must see the
     # transformed module); ``module`` stays the unwrapped one: state dicts, evaluation, layer names. One
@@ -382,24 +382,12 @@ def _build_data(cfg: DictConfig, ranks: DistInfo) -> tuple[Task, Any, DataLoader
 # ----------------------------------------------------------------------------------------------- resume
 
 
-def _resume(run: _Run, folder: RunFolder) -> None:
+def _resume(run: _Run, admission: Admission, folder: RunFolder) -> None:
     """Resume phase: continue from a checkpoint (``resume=auto|<file>``) or start fresh (``resume=null``).
-    Every check comes first; then the run takes its folder (``run_key.json``, ``.hydra/``) and opens its
-    logs (:func:`_open_logs`)."""
+    Every check comes first (:meth:`Admission.admit`); then the run takes its folder (``run_key.json``,
+    ``.hydra/``) and opens its logs (:func:`_open_logs`)."""
     cfg, ranks = run.cfg, run.ranks
-    resumed = run.checkpoints.resume_point(cfg.get("resume"), run.key)  # every rank reads the checkpoint
-    if ranks.is_distributed:
-        points = ranks.gather(None if resumed is None else resumed.step)
-        if len(set(points)) > 1:
-            raise ConfigError(
-                f"the ranks found different checkpoints to resume from (steps {points}); the run folder "
-                f"{run.run_dir} must be the same folder on every rank, or pass resume=<file>"
-            )
-    # one run per folder: a start that is not a resume of the run recorded there is refused
-    _on_rank0(ranks, lambda: folder.check(cfg.get("resume"), run.key, resumed))
-    if resumed is not None:
-        check_model_shapes(resumed.state, run.module, resumed.path, run.config)  # e.g. another model.hidden
-    _on_rank0(ranks, lambda: _refuse_finished(run))
+    resumed = admission.admit(folder, run.checkpoints, run.key, run.module)
     if resumed is not None:
         run.parts.load_state_dict(resumed.state, resumed.path)  # fsdp2: every rank reads its shards
         run.done = run.saved = resumed.step
@@ -732,62 +720,12 @@ def _output_dir(cfg: DictConfig) -> Path:
         ) from None
 
 
-def _on_rank0(ranks: DistInfo, check: Callable[[], None]) -> None:
-    """Run ``check`` (a no-op on ranks other than 0, which own no folder); a ``ConfigError`` it raises on
-    rank 0 stops every rank with the same message (the others would wait for rank 0 forever)."""
-    failure: ConfigError | None = None
-    try:
-        check()
-    except ConfigError as error:
-        failure = error
-    if ranks.is_distributed:
-        message = ranks.broadcast(None if failure is None else str(failure))
-        if failure is None and message is not None:
-            failure = ConfigError(message)
-    if failure is not None:
-        raise failure
-
-
-def _finished_run(
-    cfg: DictConfig, run_dir: Path, config: dict[str, Any], ranks: DistInfo
-) -> dict[str, Any] | None:
-    """With ``resume=auto``, the recorded metrics of the run that finished in ``run_dir`` (its ``done``
-    marker exists) with this start's settings, after one printed line saying so; else None. Nothing is
-    locked, logged to the run's files or written: a finished run stays as it is. A finished run of other
-    settings is left to the start's checks, which refuse it (:func:`_refuse_finished`)."""
-    found: dict[str, Any] | None = None
-
-    def look() -> None:
-        nonlocal found
-        finished = finished_run(run_dir) if ranks.is_main and _resume_auto(cfg) else None
-        if finished is not None and not RunLock(run_dir).busy():  # a live holder: refused as "in use"
-            trainer = cfg.trainer  # the run length, where the config alone fixes it (else the data does)
-            steps = schedule_length(trainer, 0)[1] if trainer.get("steps") is not None else None
-            if not finished.differences(config_key(cfg, steps), config):
-                found = finished.metrics
-
-    _on_rank0(ranks, look)
-    found = ranks.broadcast(found)
-    if found is not None and ranks.is_main:  # printed, not logged: the run's train.log stays untouched
-        print(
-            f"run {run_dir} is finished ({run_dir / DONE_FILE} exists): its metrics are in "
-            f"{run_dir / 'metrics.json'}; nothing to do (to train again, start a run in another folder)",
-            flush=True,
-        )
-    return found
-
-
-def _refuse_finished(run: _Run) -> None:
-    """``ConfigError`` for ``resume=auto`` into a finished run that the other checks let through: one of
-    other model settings of the same layer shapes (a finished run of these settings returned earlier).
-    Rank 0 only: the others own no folder."""
-    finished = finished_run(run.run_dir) if run.ranks.is_main and _resume_auto(run.cfg) else None
-    if finished is not None:
-        raise finished.refusal(finished.differences(run.key, run.config) or ["other settings"])
-
-
-def _resume_auto(cfg: DictConfig) -> bool:
-    return str(cfg.get("resume")).strip() == "auto"
+def _known_key(cfg: DictConfig) -> dict[str, Any]:
+    """``config_key`` with the run length where the config alone fixes it (``trainer.steps``; else the data
+    does, and the length is left out): what a finished run's record is compared with before the build."""
+    trainer = cfg.trainer
+    steps = schedule_length(trainer, 0)[1] if trainer.get("steps") is not None else None
+    return config_key(cfg, steps)
 
 
 def _layerwise(scaler: LossScaler) -> bool:
