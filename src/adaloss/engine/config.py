@@ -1,4 +1,4 @@
-"""Checks on the composed config before anything is built, and the schedule length they imply.
+"""Checks on the composed config before anything else is built.
 
 ``validate_config`` is called by ``train(cfg)`` before anything is read or written, so a typo fails with one
 line that names the problem and the fix (a :class:`ConfigError`) rather than deep inside the loop or with a
@@ -25,13 +25,13 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from adaloss.data import DATASET_NAMES, DETECTION_DATASET_NAMES, TEXT_DATASET_NAMES
+from adaloss.engine.compose import build_numerics, schedule_length
 from adaloss.engine.tasks import check_model_and_dataset
 from adaloss.errors import ConfigError
 from adaloss.precision import Precision
 from adaloss.scalers import LossScaler
 from adaloss.schemas import check_config
-from adaloss.utils.device import select_device
-from adaloss.utils.targets import build_precision, build_scaler, locate_target
+from adaloss.utils.targets import locate_target
 
 
 def validate_config(cfg: DictConfig, device: str | torch.device = "cpu") -> tuple[Precision, LossScaler]:
@@ -39,11 +39,11 @@ def validate_config(cfg: DictConfig, device: str | torch.device = "cpu") -> tupl
     and loss scaler, built once on ``device`` (the run's: ``train`` passes the process's device; the CPU
     suffices to check a config). Writes nothing; costs one walk over the config, one CUDA availability
     query, the imports of the model, data, precision and scaler modules (which the run needs anyway) and
-    the two constructors."""
+    the two constructors (:func:`adaloss.engine.compose.build_numerics`)."""
     _check_model_and_dataset(cfg)  # names before resolving: a mismatched pair may leave ${...} dangling
     check_config(cfg)
     _check_targets(cfg)
-    return _build_run_numerics(cfg, device)
+    return build_numerics(cfg, device)
 
 
 def _check_model_and_dataset(cfg: DictConfig) -> None:
@@ -85,26 +85,6 @@ def _check_targets(cfg: DictConfig) -> None:
     locate_target("schedule", cfg.schedule.get("_target_"), "schedule=cosine")
 
 
-def _build_run_numerics(cfg: DictConfig, device: str | torch.device) -> tuple[Precision, LossScaler]:
-    """``device`` checked, then the precision and the scaler (their builders check the combinations). The
-    scaler guards the gradients, so it takes the gradient format (fp8_e5m2 differs from the weight and
-    activation format; None for an fp32 run)."""
-    select_device(cfg.device)  # raises for an unknown name, and for cuda without a CUDA device
-    precision = build_precision(cfg.precision, device, telemetry_format=str(cfg.telemetry.format))
-    return precision, build_scaler(cfg.scaler, getattr(precision, "grad_format", None))
-
-
-def schedule_length(trainer: DictConfig, iters_per_epoch: int) -> tuple[int, int]:
-    """``(full, run)``: the recipe's schedule length in iterations, and the iterations this run does.
-
-    ``full`` is ``trainer.steps`` or ``trainer.epochs * iters_per_epoch``; ``run`` is ``full`` capped by
-    ``trainer.max_steps``. The lr schedule is laid over ``run``, so a capped run keeps the decay shape.
-    """
-    full = int(trainer.steps) if trainer.steps is not None else int(trainer.epochs) * iters_per_epoch
-    run = min(full, int(trainer.max_steps)) if trainer.max_steps is not None else full
-    return full, run
-
-
 def resolved_config(cfg: DictConfig) -> dict[str, Any]:
     """The config as plain containers with every interpolation resolved, without Hydra's own node.
 
@@ -117,3 +97,6 @@ def resolved_config(cfg: DictConfig) -> dict[str, Any]:
     container = OmegaConf.to_container(own, resolve=True, throw_on_missing=False)
     assert isinstance(container, dict)
     return container
+
+
+__all__ = ["resolved_config", "schedule_length", "validate_config"]

@@ -1,10 +1,12 @@
 """``train(cfg)``: build every part of a run from the composed config, train, evaluate, record.
 
-A run goes through named phases, in this order: :func:`_build` (data, task, scaler, precision, model,
-optimizer: writes nothing), :func:`_resume` (the checkpoint to continue from, every check of the run folder,
-then the folder is the run's), :func:`_loop` (the iterations; what is due after each: telemetry, a log line,
-:func:`_evaluate`, a checkpoint, a stop on a signal) and :func:`_finish` (``metrics.json``, then the ``done``
-marker). They share one :class:`_Run`.
+A run goes through named phases, in this order: the config checked and the precision and scaler built
+(:func:`adaloss.engine.config.validate_config`); a finished run answered and the folder locked
+(:class:`adaloss.engine.admission.Admission`); the build (:func:`adaloss.engine.compose.build_run`: data,
+task, model, optimizer, schedule; writes nothing); :func:`_resume` (the admission's checks, then the folder
+is the run's and the logs open); :func:`_loop` (the iterations; what is due after each: telemetry, a log
+line, :func:`_evaluate`, a checkpoint, a stop on a signal) and :func:`_finish` (``metrics.json``, then the
+``done`` marker). They share one :class:`~adaloss.engine.compose.Run`.
 
 The loop reads top to bottom (the step shape of ``docs/architecture.md``): forward and loss under the
 precision context, backward through the loss scaler, optional unscale + clip, step, update, and the lr
@@ -48,39 +50,31 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import inspect
 import logging
 import math
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch import nn
-from torch.utils.data import DataLoader
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from adaloss.data import build_datasets, make_loader
-from adaloss.data.loaders import BatchStream
-from adaloss.distributed import DistInfo, destroy, rank_seed
+from adaloss.distributed import DistInfo, destroy
 from adaloss.engine.admission import Admission
 from adaloss.engine.checkpoint import (
     CheckpointManager,
-    CheckpointParts,
-    Progress,
     Resume,
     config_key,
     save_atomic,
 )
-from adaloss.engine.compiling import StepCompiler
-from adaloss.engine.config import resolved_config, schedule_length, validate_config
-from adaloss.engine.faults import DivergenceGuard, GradientFaults, SkippedStepReport, TrainingDiverged
-from adaloss.engine.optim import build_optimizer, build_schedule
+from adaloss.engine.compose import Run, build_run, schedule_length
+from adaloss.engine.config import resolved_config, validate_config
+from adaloss.engine.faults import SkippedStepReport, TrainingDiverged
 from adaloss.engine.run_folder import (
     RunFolder,
     RunFolderError,
@@ -88,16 +82,14 @@ from adaloss.engine.run_folder import (
     writing,
 )
 from adaloss.engine.signals import RunInterrupted, StopRequests
-from adaloss.engine.tasks import Evaluation, Task, build_task
+from adaloss.engine.tasks import Evaluation
 from adaloss.errors import ConfigError
 from adaloss.logging import NullLogger, ProgressBar, TelemetryLog, build_logger, write_json_atomic
 from adaloss.logging.run_log import ScalarLog, progress_line, run_name_on_log_lines
 from adaloss.precision import Precision
-from adaloss.provenance import collect_provenance
 from adaloss.scalers import LossScaler
-from adaloss.schemas import DistributedConf
 from adaloss.telemetry import UnderflowMonitor
-from adaloss.utils import seed_everything, select_device
+from adaloss.utils import select_device
 from adaloss.utils.allocator import tune_cpu_allocator
 
 log = logging.getLogger(__name__)
@@ -207,182 +199,16 @@ def _train(
     numerics: tuple[Precision, LossScaler],
 ) -> dict[str, Any]:
     """The phases of a run, in order: build every part, resume (or start fresh), train, finish."""
-    run = _build(cfg, admission.run_dir, dict(admission.config), admission.ranks, started, numerics)
+    run = build_run(cfg, admission.run_dir, dict(admission.config), admission.ranks, started, numerics)
     _resume(run, admission, folder)
     diverged = _loop(run, callbacks, stop)
     return _finish(run, folder, diverged)
 
 
-@dataclass
-class _Run:
-    """One run's parts, built from its config, and the loop's running state: what the phases share."""
-
-    cfg: DictConfig
-    run_dir: Path
-    config: dict[str, Any]  # the resolved config: recorded in checkpoints, W&B and metrics.json
-    ranks: DistInfo
-    started: float  # perf_counter() at the start, moved back by the wall time of an interrupted part
-    task: Task
-    info: Any  # the dataset's DatasetInfo
-    test_loader: Any
-    steps: int  # the iterations of this run
-    full_steps: int  # the recipe's schedule length (steps < full_steps: squeezed by trainer.max_steps)
-    precision: Precision
-    provenance: dict[str, Any]
-    scaler: LossScaler
-    module: nn.Module  # the unwrapped module: state dicts, evaluation, layer names
-    model: nn.Module  # what the loop calls: module (trainer.compile: compiled), or that in DDP
-    compiler: StepCompiler  # trainer.compile: which steps run compiled, the compile time
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
-    monitor: UnderflowMonitor
-    guard: DivergenceGuard
-    faults: GradientFaults
-    checkpoints: CheckpointManager
-    key: dict[str, Any]  # config_key(): the settings a resume must share
-    batches: BatchStream  # the training batches, epoch after epoch, from a resumable position
-    window: Any  # the task's on-device training sums since the last log line
-    progress: Progress
-    parts: CheckpointParts
-    # opened by _resume, once the folder is the run's
-    history: TelemetryLog | None = None
-    scalars: ScalarLog | None = None
-    logger: Any = None  # rank 0: W&B (or NullLogger with logger=none); other ranks: NullLogger
-    report_skipped: SkippedStepReport | None = None
-    bar: ProgressBar | None = None
-    done: int = 0  # iterations completed
-    saved: int = 0  # the iteration of the newest checkpoint
-    window_time: float = 0.0  # seconds in training iterations since the last log line, for images/s
-
-    def mean_over_ranks(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        """The reduction ``scalars.csv`` applies to the ranks' losses (None for one process)."""
-        ranks = self.ranks
-        return (lambda t: ranks.sum_(t) / ranks.world_size) if ranks.is_distributed else None
-
-
-# ------------------------------------------------------------------------------------------------ build
-
-
-def _build(
-    cfg: DictConfig,
-    run_dir: Path,
-    config: dict[str, Any],
-    ranks: DistInfo,
-    started: float,
-    numerics: tuple[Precision, LossScaler],
-) -> _Run:
-    """Build phase: every part of the run from its config, in the order that fixes the random streams
-    (the same on every rank until the model exists), around the precision and scaler ``validate_config``
-    built. Writes nothing."""
-    strategy = _strategy(cfg, ranks)  # first: a strategy this launch cannot run is refused before any work
-    if ranks.device.type == "cuda":
-        torch.backends.cudnn.benchmark = True  # fixed input shapes: let cuDNN pick the fastest kernels
-    seed_everything(int(cfg.seed))  # the same on every rank: the same initial weights
-    task, info, train_loader, test_loader = _build_data(cfg, ranks)
-    full_steps, steps = schedule_length(cfg.trainer, len(train_loader))
-
-    # ---- loss scaler, precision (this order: the adaptive scaler returns a transformed model, whose GEMM
-    # layers the precision then names for telemetry)
-    precision, scaler = numerics
-    precision.apply_tf32()  # FP32 stays FP32 on Ampere+ GPUs unless precision.allow_tf32=true
-    provenance = collect_provenance(ranks.device, precision)  # code, packages, hardware: for metrics.json
-    module = precision.prepare(_attach(scaler, task))
-    # trainer.compile: a compiled wrapper sharing module's parameters; DDP last, around it (it must see the
-    # transformed module); ``module`` stays the unwrapped one: state dicts, evaluation, layer names. One
-    # process, not compiled: model is module.
-    compiler = StepCompiler(module, bool(cfg.trainer.compile), str(cfg.trainer.compile_mode), precision)
-    model = ranks.wrap(compiler.model, strategy)  # fsdp2: shards module in place (model is module)
-    optimizer = build_optimizer(cfg.optimizer, module)  # the same parameter objects as model's
-    scheduler = build_schedule(cfg.schedule, optimizer, steps)
-    if ranks.rank > 0:  # independent random augmentation per rank (after the identical initialization)
-        seed_everything(rank_seed(int(cfg.seed), ranks.rank))
-    monitor = UnderflowMonitor(
-        every=cfg.telemetry.every,
-        fmt=precision.telemetry_format,
-        expected_loss_scale=cfg.telemetry.expected_loss_scale,
-        quantile=cfg.telemetry.quantile,
-        counterfactual=cfg.telemetry.counterfactual,  # every recipe on the same gradients
-    )
-    guard = DivergenceGuard(cfg.trainer.max_consecutive_overflows)
-    on_divergence = str(cfg.trainer.on_divergence)
-    if on_divergence not in ("fail", "record"):
-        raise ConfigError(f"trainer.on_divergence must be 'fail' or 'record', got '{on_divergence}'")
-    faults = GradientFaults.from_config(cfg.get("faults"), module)  # test hook; no-op unless faults.inject
-    checkpoints = CheckpointManager.from_config(cfg.trainer, run_dir)
-    key = config_key(cfg, steps)
-    batches, window = BatchStream(train_loader), task.new_window()
-    progress = Progress(best_value=task.initial_best)
-    parts = CheckpointParts(
-        key, module, optimizer, scheduler, scaler, batches, window, guard, progress, ranks, precision,
-        sharded=ranks.is_distributed and strategy == "fsdp2",
-    )  # fmt: skip
-    return _Run(
-        cfg, run_dir, config, ranks, started, task, info, test_loader, steps, full_steps, precision,
-        provenance, scaler, module, model, compiler, optimizer, scheduler, monitor, guard, faults,
-        checkpoints, key, batches, window, progress, parts,
-    )  # fmt: skip
-
-
-def _strategy(cfg: DictConfig, ranks: DistInfo) -> str:
-    """``distributed.strategy`` (the schema's default where a config has no ``distributed`` node), checked
-    against the launch and the settings FSDP2 does not support here."""
-    strategy = str(OmegaConf.select(cfg, "distributed.strategy", default=DistributedConf.strategy))
-    if strategy != "fsdp2":
-        return strategy
-    if not ranks.is_distributed:
-        raise ConfigError(
-            "distributed.strategy=fsdp2 shards the model over torchrun's processes, but this is one process: "
-            "launch with python -m torch.distributed.run --nproc_per_node 2 train.py ... (2 or more), or "
-            "drop distributed.strategy=fsdp2"
-        )
-    unsupported = {
-        "trainer.compile=true": bool(cfg.trainer.compile),
-        "faults.inject (gradient hooks on the sharded parameters)": bool(cfg.get("faults", {}).get("inject")),
-    }
-    for setting, used in unsupported.items():
-        if used:
-            raise ConfigError(
-                f"distributed.strategy=fsdp2 does not support {setting}; drop it, or use "
-                "distributed.strategy=ddp"
-            )
-    return strategy
-
-
-def _attach(scaler: Any, task: Task) -> nn.Module:
-    """``scaler.attach(task.model)``, with the task's example inputs where the scaler takes them (the adaptive
-    scaler captures a model torch.fx cannot trace, a transformers model, with ``torch.export`` on them)."""
-    example = task.example_inputs()
-    params = inspect.signature(scaler.attach).parameters.values()
-    if example and any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
-        return scaler.attach(task.model, *example)
-    return scaler.attach(task.model)
-
-
-def _build_data(cfg: DictConfig, ranks: DistInfo) -> tuple[Task, Any, DataLoader, DataLoader]:
-    """The task (classification, detection or language model: the loss, the batch layout, the test metric),
-    the dataset's info and the training and test loaders."""
-    device = ranks.device
-    train_set, test_set, info = build_datasets(cfg.dataset, cfg.paths.data_dir)
-    task = build_task(cfg, info, device)
-    task.initialize(train_set)  # e.g. model.init=lsuv; the same on every rank (same seed, same samples)
-    workers = int(cfg.trainer.num_workers)
-    # batch_size is the global batch; under DDP each rank loads its share of every global batch
-    pin = device.type == "cuda"  # pinned host memory only helps copies to a GPU
-    train_loader = make_loader(
-        train_set, cfg.trainer.batch_size, train=True, seed=cfg.seed, num_workers=workers,
-        collate_fn=task.collate_fn, rank=ranks.rank, world_size=ranks.world_size, pin_memory=pin,
-    )  # fmt: skip
-    test_loader = make_loader(
-        test_set, cfg.trainer.eval_batch_size, train=False, seed=cfg.seed, num_workers=workers,
-        collate_fn=task.collate_fn, pin_memory=pin,
-    )  # fmt: skip
-    return task, info, train_loader, test_loader
-
-
 # ----------------------------------------------------------------------------------------------- resume
 
 
-def _resume(run: _Run, admission: Admission, folder: RunFolder) -> None:
+def _resume(run: Run, admission: Admission, folder: RunFolder) -> None:
     """Resume phase: continue from a checkpoint (``resume=auto|<file>``) or start fresh (``resume=null``).
     Every check comes first (:meth:`Admission.admit`); then the run takes its folder (``run_key.json``,
     ``.hydra/``) and opens its logs (:func:`_open_logs`)."""
@@ -400,7 +226,7 @@ def _resume(run: _Run, admission: Admission, folder: RunFolder) -> None:
     _open_logs(run, resumed)
 
 
-def _open_logs(run: _Run, resumed: Resume | None) -> None:
+def _open_logs(run: Run, resumed: Resume | None) -> None:
     """``telemetry.jsonl`` and ``scalars.csv`` cut back to the iteration the run continues from, the start
     line, W&B (the resumed run's id) and the progress bar."""
     cfg, ranks, start = run.cfg, run.ranks, run.done
@@ -438,7 +264,7 @@ def _open_logs(run: _Run, resumed: Resume | None) -> None:
 # ------------------------------------------------------------------------------------------------- loop
 
 
-def _loop(run: _Run, callbacks: Sequence[StepCallback], stop: StopRequests) -> TrainingDiverged | None:
+def _loop(run: Run, callbacks: Sequence[StepCallback], stop: StopRequests) -> TrainingDiverged | None:
     """Train phase: iterations ``run.done + 1`` to ``run.steps``, each a step (forward, backward, step,
     update, schedule) followed by what is due at that iteration: telemetry, a log line, an evaluation, a
     checkpoint, a stop on a signal. Returns the divergence that ended a run recorded as diverged
@@ -519,7 +345,7 @@ def _loop(run: _Run, callbacks: Sequence[StepCallback], stop: StopRequests) -> T
     return None
 
 
-def _check_divergence(run: _Run, loss: torch.Tensor, record: bool) -> TrainingDiverged | None:
+def _check_divergence(run: Run, loss: torch.Tensor, record: bool) -> TrainingDiverged | None:
     """After the update of iteration ``run.done``: report a skipped step and let the divergence guard
     check it. ``TrainingDiverged`` is raised, or with ``record`` logged and returned (the run ends there)."""
     skipped = run.scaler.last_step_skipped
@@ -537,7 +363,7 @@ def _check_divergence(run: _Run, loss: torch.Tensor, record: bool) -> TrainingDi
     return None
 
 
-def _record_telemetry(run: _Run) -> None:
+def _record_telemetry(run: Run) -> None:
     """A telemetry step: the layers' underflow rates into ``telemetry.jsonl`` and W&B. Note: one host sync;
     under DDP also one all-reduce (the mean over the ranks)."""
     run.progress.rates = rates = run.ranks.mean_rates(run.monitor.underflow_rates())
@@ -549,7 +375,7 @@ def _record_telemetry(run: _Run) -> None:
     run.logger.log(_scaler_metrics(run.scaler), step=run.done)
 
 
-def _log_progress(run: _Run) -> None:
+def _log_progress(run: Run) -> None:
     """A logging step: the training window's loss and accuracy to W&B, the bar and a log line, and the
     buffered rows to ``scalars.csv``. Note: two host syncs (under DDP each with one all-reduce)."""
     progress, scaler, done = run.progress, run.scaler, run.done
@@ -577,7 +403,7 @@ def _log_progress(run: _Run) -> None:
 # --------------------------------------------------------------------------------------------- evaluate
 
 
-def _evaluate(run: _Run) -> None:
+def _evaluate(run: Run) -> None:
     """An evaluation step: rank 0 evaluates the unwrapped module (no collectives inside) and tells the
     others; the best metric so far is updated and logged. A sharded model (fsdp2) needs every rank in each
     forward pass (its all-gathers): every rank evaluates the whole test set, and rank 0's result counts."""
@@ -608,7 +434,7 @@ def _shared_evaluation(ranks: DistInfo, evaluation: Evaluation | None) -> Evalua
     return Evaluation(value, **extra)
 
 
-def _save(run: _Run, step: int) -> int:
+def _save(run: Run, step: int) -> int:
     """Write the checkpoint of iteration ``step`` (every rank calls this: it gathers their states); returns
     ``step``."""
     with writing("scalars", run.scalars.path):
@@ -622,7 +448,7 @@ def _save(run: _Run, step: int) -> int:
     return step
 
 
-def _stop_if_requested(run: _Run, stop: StopRequests, log_every: int) -> None:
+def _stop_if_requested(run: Run, stop: StopRequests, log_every: int) -> None:
     """A signal (SIGTERM, SIGINT, SIGUSR2, SIGHUP): stop here, saved, unless the run is done. Under DDP the
     ranks agree on logging steps (one tiny all-reduce where they sync anyway)."""
     done, ranks = run.done, run.ranks
@@ -639,7 +465,7 @@ def _stop_if_requested(run: _Run, stop: StopRequests, log_every: int) -> None:
 # ----------------------------------------------------------------------------------------------- finish
 
 
-def _finish(run: _Run, folder: RunFolder, diverged: TrainingDiverged | None) -> dict[str, Any]:
+def _finish(run: Run, folder: RunFolder, diverged: TrainingDiverged | None) -> dict[str, Any]:
     """Finish phase: the metrics, and (rank 0) the record in this order: the last ``scalars.csv`` rows, the
     final weights (``trainer.save_final``), W&B's files, ``metrics.json`` and, last, the ``done`` marker."""
     metrics = _metrics(run, diverged)
@@ -675,7 +501,7 @@ def _finish(run: _Run, folder: RunFolder, diverged: TrainingDiverged | None) -> 
     return metrics
 
 
-def _metrics(run: _Run, diverged: TrainingDiverged | None) -> dict[str, Any]:
+def _metrics(run: Run, diverged: TrainingDiverged | None) -> dict[str, Any]:
     """What ``train`` returns and ``metrics.json`` records (see :func:`train`)."""
     progress, scaler, rates = run.progress, run.scaler, run.progress.rates
     tested = (math.nan, math.nan) if diverged else (progress.test_value, progress.best_value)
@@ -776,7 +602,7 @@ def _stopped_by_signal(
     raise RunInterrupted(line, unchained[0])
 
 
-def _what_is_left(run: _Run) -> str:
+def _what_is_left(run: Run) -> str:
     """After a failed write: where the run stopped, which checkpoints are intact and how to continue."""
     kept = [path.name for _, path in run.checkpoints.checkpoints()]
     where = f"the run stopped after iteration {run.done}/{run.steps}"
