@@ -13,14 +13,17 @@ dataset        :func:`build_run` (:func:`adaloss.data.build_datasets`)
 task, model    :func:`build_run` (:func:`adaloss.engine.tasks.build_task`, with the model)
 optimizer      :func:`build_run` (:func:`adaloss.engine.optim.build_optimizer`)
 schedule       :func:`build_run` (:func:`adaloss.engine.optim.build_schedule`, over :func:`schedule_length`)
-logger         the trainer's resume phase (it needs the resumed W&B run's id)
+logger         :func:`build_run` binds it; the resume phase calls it (W&B needs the resumed run's id)
 =============  ==============================================================================================
 
-Nothing here writes into the run folder.
+What the start line, the loop and the finish read of the config is :class:`Settings`, read here; the
+trainer reads the config object only to check it, to find its folder and resume setting, and to record it
+(``.hydra/``). Nothing here writes into the run folder.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,7 +44,7 @@ from adaloss.engine.faults import DivergenceGuard, GradientFaults, SkippedStepRe
 from adaloss.engine.optim import build_optimizer, build_schedule
 from adaloss.engine.tasks import Task, build_task
 from adaloss.errors import ConfigError
-from adaloss.logging import ProgressBar, TelemetryLog
+from adaloss.logging import ProgressBar, TelemetryLog, build_logger
 from adaloss.logging.run_log import ScalarLog
 from adaloss.precision import Precision
 from adaloss.provenance import collect_provenance
@@ -51,7 +54,7 @@ from adaloss.telemetry import UnderflowMonitor
 from adaloss.utils import seed_everything, select_device
 from adaloss.utils.targets import build_precision, build_scaler
 
-__all__ = ["Run", "build_numerics", "build_run", "schedule_length"]
+__all__ = ["Run", "Settings", "build_numerics", "build_run", "schedule_length"]
 
 
 def build_numerics(cfg: DictConfig, device: str | torch.device) -> tuple[Precision, LossScaler]:
@@ -63,11 +66,44 @@ def build_numerics(cfg: DictConfig, device: str | torch.device) -> tuple[Precisi
     return precision, build_scaler(cfg.scaler, getattr(precision, "grad_format", None))
 
 
+@dataclass(frozen=True)
+class Settings:
+    """What the start line, the loop and the finish read of the config, read once, here."""
+
+    name: str
+    model: str  # model.name, for the start line
+    scaler: str  # scaler.name, for the start line
+    batch_size: int  # the global batch
+    grad_clip: float | None  # unscale and clip to this norm before the step
+    loss_multiplier: float  # trainer.loss_multiplier: a test knob that shrinks every gradient
+    record_divergence: bool  # trainer.on_divergence=record: a diverged run ends recorded, not raised
+    log_every: int
+    eval_every: int
+    save_final: bool  # model.pt at the end
+    progress_bar: bool
+
+    @classmethod
+    def of(cls, cfg: DictConfig) -> Settings:
+        """From the composed config; ``ConfigError`` for a ``trainer.on_divergence`` other than fail or
+        record."""
+        trainer = cfg.trainer
+        on_divergence = str(trainer.on_divergence)
+        if on_divergence not in ("fail", "record"):
+            raise ConfigError(f"trainer.on_divergence must be 'fail' or 'record', got '{on_divergence}'")
+        clip = None if trainer.grad_clip is None else float(trainer.grad_clip)
+        return cls(
+            str(cfg.name), str(cfg.model.name), str(cfg.scaler.name), int(trainer.batch_size), clip,
+            float(trainer.loss_multiplier), on_divergence == "record", int(trainer.log_every),
+            int(trainer.eval_every), bool(trainer.save_final), bool(trainer.progress_bar),
+        )  # fmt: skip
+
+
 @dataclass
 class Run:
     """One run's parts, built from its config, and the loop's running state: what the phases share."""
 
-    cfg: DictConfig
+    cfg: DictConfig  # the composed config: only written to .hydra/ when the folder becomes the run's
+    settings: Settings
     run_dir: Path
     config: dict[str, Any]  # the resolved config: recorded in checkpoints, W&B and metrics.json
     ranks: DistInfo
@@ -94,6 +130,7 @@ class Run:
     window: Any  # the task's on-device training sums since the last log line
     progress: Progress
     parts: CheckpointParts
+    make_logger: Callable[..., Any]  # build_logger(cfg.logger, ...): W&B needs the resumed run's id
     # opened by the trainer's resume phase, once the folder is the run's
     history: TelemetryLog | None = None
     scalars: ScalarLog | None = None
@@ -151,9 +188,7 @@ def build_run(
         counterfactual=cfg.telemetry.counterfactual,  # every recipe on the same gradients
     )
     guard = DivergenceGuard(cfg.trainer.max_consecutive_overflows)
-    on_divergence = str(cfg.trainer.on_divergence)
-    if on_divergence not in ("fail", "record"):
-        raise ConfigError(f"trainer.on_divergence must be 'fail' or 'record', got '{on_divergence}'")
+    settings = Settings.of(cfg)
     faults = GradientFaults.from_config(cfg.get("faults"), module)  # test hook; no-op unless faults.inject
     checkpoints = CheckpointManager.from_config(cfg.trainer, run_dir)
     key = config_key(cfg, steps)
@@ -163,10 +198,11 @@ def build_run(
         key, module, optimizer, scheduler, scaler, batches, window, guard, progress, ranks, precision,
         sharded=ranks.is_distributed and strategy == "fsdp2",
     )  # fmt: skip
+    make_logger = functools.partial(build_logger, cfg.logger, run_dir, config)
     return Run(
-        cfg, run_dir, config, ranks, started, task, info, test_loader, steps, full_steps, precision,
+        cfg, settings, run_dir, config, ranks, started, task, info, test_loader, steps, full_steps, precision,
         provenance, scaler, module, model, compiler, optimizer, scheduler, monitor, guard, faults,
-        checkpoints, key, batches, window, progress, parts,
+        checkpoints, key, batches, window, progress, parts, make_logger,
     )  # fmt: skip
 
 

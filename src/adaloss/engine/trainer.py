@@ -84,7 +84,7 @@ from adaloss.engine.run_folder import (
 from adaloss.engine.signals import RunInterrupted, StopRequests
 from adaloss.engine.tasks import Evaluation
 from adaloss.errors import ConfigError
-from adaloss.logging import NullLogger, ProgressBar, TelemetryLog, build_logger, write_json_atomic
+from adaloss.logging import NullLogger, ProgressBar, TelemetryLog, write_json_atomic
 from adaloss.logging.run_log import ScalarLog, progress_line, run_name_on_log_lines
 from adaloss.precision import Precision
 from adaloss.scalers import LossScaler
@@ -229,7 +229,7 @@ def _resume(run: Run, admission: Admission, folder: RunFolder) -> None:
 def _open_logs(run: Run, resumed: Resume | None) -> None:
     """``telemetry.jsonl`` and ``scalars.csv`` cut back to the iteration the run continues from, the start
     line, W&B (the resumed run's id) and the progress bar."""
-    cfg, ranks, start = run.cfg, run.ranks, run.done
+    settings, ranks, start = run.settings, run.ranks, run.done
     run.history = TelemetryLog(run.run_dir / "telemetry.jsonl", enabled=ranks.is_main)
     run.scalars = ScalarLog(
         run.run_dir / "scalars.csv", layerwise=_layerwise(run.scaler), enabled=ranks.is_main
@@ -241,23 +241,19 @@ def _open_logs(run: Run, resumed: Resume | None) -> None:
         with writing("trimmed log", run.history.path):
             run.history.truncate(after=start)
             run.scalars.trim(after=start)
-    info, batch = run.info, int(cfg.trainer.batch_size)
+    info, batch = run.info, settings.batch_size
     log.info(
         "%s: %s on %s (%d train / %d test), %s, scaler %s; %d iterations of batch %d (%s)%s",
-        cfg.name, cfg.model.name, info.name, info.train_size, info.test_size, run.precision,
-        cfg.scaler.name, run.steps, batch, _schedule_note(run.steps, run.full_steps),
+        settings.name, settings.model, info.name, info.train_size, info.test_size, run.precision,
+        settings.scaler, run.steps, batch, _schedule_note(run.steps, run.full_steps),
         f"; {ranks.world_size} processes ({ranks.backend}), {batch // ranks.world_size} samples each"
         if ranks.is_distributed else "",
     )  # fmt: skip
     # rank 0 alone logs and writes; the other ranks get a logger that records nothing
     run_id = resumed.state.get("wandb_run_id") if resumed else None
-    run.logger = (
-        build_logger(cfg.logger, run.run_dir, run.config, run_id=run_id) if ranks.is_main else NullLogger()
-    )
+    run.logger = run.make_logger(run_id=run_id) if ranks.is_main else NullLogger()
     run.report_skipped = SkippedStepReport(run.logger)
-    run.bar = ProgressBar(
-        run.steps, desc=str(cfg.name), enabled=bool(cfg.trainer.progress_bar) and ranks.is_main
-    )
+    run.bar = ProgressBar(run.steps, desc=settings.name, enabled=settings.progress_bar and ranks.is_main)
     run.bar.update(start)
 
 
@@ -269,11 +265,11 @@ def _loop(run: Run, callbacks: Sequence[StepCallback], stop: StopRequests) -> Tr
     update, schedule) followed by what is due at that iteration: telemetry, a log line, an evaluation, a
     checkpoint, a stop on a signal. Returns the divergence that ended a run recorded as diverged
     (``trainer.on_divergence=record``), else None."""
-    cfg, task, model, scaler, optimizer = run.cfg, run.task, run.model, run.scaler, run.optimizer
-    clip = cfg.trainer.grad_clip
-    loss_factor = float(cfg.trainer.loss_multiplier) * run.ranks.loss_factor  # gradients only
-    record_divergence = str(cfg.trainer.on_divergence) == "record"
-    log_every, eval_every = int(cfg.trainer.log_every), int(cfg.trainer.eval_every)
+    settings, task, model, scaler, optimizer = run.settings, run.task, run.model, run.scaler, run.optimizer
+    clip = settings.grad_clip
+    loss_factor = settings.loss_multiplier * run.ranks.loss_factor  # gradients only
+    record_divergence = settings.record_divergence
+    log_every, eval_every = settings.log_every, settings.eval_every
     model.train()
     try:
         with logging_redirect_tqdm():
@@ -295,7 +291,7 @@ def _loop(run: Run, callbacks: Sequence[StepCallback], stop: StopRequests) -> Tr
                 scaler.scale(loss * loss_factor if loss_factor != 1.0 else loss).backward()
                 if clip is not None:
                     scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-                    nn.utils.clip_grad_norm_(model.parameters(), float(clip))
+                    nn.utils.clip_grad_norm_(model.parameters(), clip)
                 scaler.step(optimizer)  # note: one host sync (reads the Inf/NaN flag)
                 scaler.update()
                 run.done = done = step + 1  # iterations completed: the x-axis of every logged series
@@ -469,7 +465,7 @@ def _finish(run: Run, folder: RunFolder, diverged: TrainingDiverged | None) -> d
     """Finish phase: the metrics, and (rank 0) the record in this order: the last ``scalars.csv`` rows, the
     final weights (``trainer.save_final``), W&B's files, ``metrics.json`` and, last, the ``done`` marker."""
     metrics = _metrics(run, diverged)
-    save_final = bool(run.cfg.trainer.save_final)
+    save_final = run.settings.save_final
     debug_files = os.environ.get(DEBUG_RANK_FILES_ENV) == "1"  # test hook, see DEBUG_RANK_FILES_ENV
     # whole weights; gathered from the shards under fsdp2 (every rank takes part)
     weights = run.parts.full_model_state() if save_final or debug_files else None
@@ -521,7 +517,7 @@ def _metrics(run: Run, diverged: TrainingDiverged | None) -> dict[str, Any]:
         **({"train_accuracy": progress.train_accuracy} if progress.train_accuracy is not None else {}),
         "lr": run.optimizer.param_groups[0]["lr"],  # final; unchanged by skipped steps
         "wall_time_s": time.perf_counter() - run.started,
-        "images_per_s": run.done * int(run.cfg.trainer.batch_size) / max(progress.train_time, 1e-9),
+        "images_per_s": run.done * run.settings.batch_size / max(progress.train_time, 1e-9),
         "world_size": run.ranks.world_size,
         **run.compiler.metrics(),  # trainer.compile: mode, the first compiled step's time
         "provenance": run.provenance,
