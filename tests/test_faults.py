@@ -14,8 +14,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from adaloss.engine import train
-from adaloss.engine import trainer as trainer_module
+from adaloss.engine import compose, train
 from adaloss.engine.checkpoint import load_checkpoint
 from adaloss.engine.faults import TrainingDiverged, parse_faults
 from adaloss.errors import ConfigError
@@ -71,7 +70,7 @@ def test_an_injected_non_finite_gradient_skips_exactly_that_step(
     value: str,
 ) -> None:
     logger = _RecordingLogger()
-    monkeypatch.setattr(trainer_module, "build_logger", lambda *args, **kwargs: logger)
+    monkeypatch.setattr(compose, "build_logger", lambda *args, **kwargs: logger)
     snapshots = _Snapshots()
     with caplog.at_level(logging.INFO):
         metrics = train(

@@ -221,7 +221,7 @@ def test_detection_logs_the_ap_of_each_class(
     make_full_cfg: Callable[..., DictConfig], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     recorder = _Recorder()
-    monkeypatch.setattr("adaloss.engine.trainer.build_logger", lambda *args, **kwargs: recorder)
+    monkeypatch.setattr("adaloss.engine.compose.build_logger", lambda *args, **kwargs: recorder)
     det = ("model=ssd512", "dataset=shapes", "model.image_size=64", "model.width_multiplier=0.125")
     small = (
         "dataset.train_size=4",

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from adaloss.engine import train
 from adaloss.engine.config import validate_config
 from adaloss.errors import ConfigError
 from adaloss.logging import NullLogger
+from adaloss.precision import Precision
 from adaloss.scalers import FixedLossScaler
 from conftest import ROOT, TINY, compose_train
 
@@ -140,6 +142,7 @@ class MyScaler(FixedLossScaler):
     def __init__(self, factor: float, device: Any = None) -> None:
         super().__init__(device, scale=2.0 * factor)
         SEEN["scaler"] = factor
+        SEEN["scalers built"] = SEEN.get("scalers built", 0) + 1
 
 
 def my_data(size: int, data_dir: str) -> tuple[TensorImageDataset, TensorImageDataset, DatasetInfo]:
@@ -196,6 +199,30 @@ def test_a_users_scaler_dataset_and_logger_train_through_target(tmp_path: Path, 
     assert SEEN["logger"] == ("mine", tmp_path)
     assert any("train/loss" in logged for _, logged in SEEN["logged"])  # the run's numbers reach it
     assert metrics["config"]["dataset"]["name"] == "mydata"
+
+
+def test_a_run_builds_its_scaler_and_precision_once(
+    tmp_path: Path, single_thread: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The precision and scaler that ``validate_config`` builds to check the config are the run's: a user's
+    scaler class is constructed once per run, and so is the precision (it used to be twice each)."""
+    built: list[str] = []
+    real_init = Precision.__init__
+
+    @functools.wraps(real_init)  # the same signature: the builder fills device by name
+    def counted(self: Precision, *args: Any, **kwargs: Any) -> None:
+        built.append("precision")
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(Precision, "__init__", counted)
+    cfg = compose_train([*TINY, "scaler=custom", "scaler._target_=test_schemas.MyScaler", "+scaler.factor=4"])
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(tmp_path)
+    SEEN.clear()
+    metrics = train(cfg)
+    assert metrics["steps"] == 2 and metrics["loss_scale"] == 8.0
+    assert SEEN["scalers built"] == 1
+    assert built == ["precision"]
 
 
 def test_a_users_class_on_a_bundled_option_gets_its_keys_and_an_unknown_one_is_an_error() -> None:

@@ -124,7 +124,7 @@ class _Stop(Exception):
 
 @dataclass
 class _OptimizerSpy:
-    """Hooks the optimizer the trainer builds (``trainer.build_optimizer`` wrapped, the object unchanged):
+    """Hooks the optimizer the trainer builds (``compose.build_optimizer`` wrapped, the object unchanged):
     at every ``optimizer.step`` the loop makes, records the gradients the step is about to apply and the
     param_groups' settings. ``stop_at`` ends the run (``_Stop``) before that step is applied."""
 
@@ -135,7 +135,7 @@ class _OptimizerSpy:
     groups: list[list[dict]] = field(default_factory=list)
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> _OptimizerSpy:
-        from adaloss.engine import trainer
+        from adaloss.engine import compose
         from adaloss.engine.optim import build_optimizer
 
         def build(cfg: DictConfig, model: nn.Module) -> torch.optim.Optimizer:
@@ -143,7 +143,7 @@ class _OptimizerSpy:
             self.optimizer.register_step_pre_hook(self._before_step)
             return self.optimizer
 
-        monkeypatch.setattr(trainer, "build_optimizer", build)
+        monkeypatch.setattr(compose, "build_optimizer", build)
         return self
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
@@ -253,9 +253,9 @@ def test_the_trainer_builds_each_recipes_optimizer(
 ) -> None:
     """The optimizer the trainer steps with, read at its first ``optimizer.step``: SGD over every parameter of
     the trained model, with the recipe's momentum, weight decay, nesterov and learning rate."""
-    from adaloss.engine import trainer
+    from adaloss.engine import compose
 
-    monkeypatch.setattr(trainer, "build_datasets", _stand_in_data(trainer.build_datasets))
+    monkeypatch.setattr(compose, "build_datasets", _stand_in_data(compose.build_datasets))
     max_norms: list[float] = []
     real_clip = torch.nn.utils.clip_grad_norm_
 

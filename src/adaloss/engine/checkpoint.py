@@ -75,7 +75,6 @@ __all__ = [
     "Progress",
     "Resume",
     "check_config_key",
-    "check_model_shapes",
     "config_key",
     "key_differences",
     "load_checkpoint",
@@ -160,31 +159,6 @@ def _weights_only_reason(error: BaseException) -> str:
     text = str(error)
     after = text.split("WeightsUnpickler error:", 1)[-1].strip()
     return (after.splitlines()[0] if after else _first_sentence(error))[:200]
-
-
-def check_model_shapes(state: Mapping[str, Any], model: Any, path: Path, config: Mapping[str, Any]) -> None:
-    """``ConfigError`` if the checkpoint's model weights do not fit ``model`` (another ``model.hidden``,
-    width, ...), naming the first differing tensors and the model settings that differ; ``config`` is this
-    run's resolved config. Cost: one pass over the state dict's shapes, no copy. A sharded checkpoint's
-    shapes are checked by ``torch.distributed.checkpoint`` when its shards are read."""
-    if state.get("sharded"):
-        return
-    saved = state["model"]
-    ours = model.state_dict()
-    missing = [k for k in ours if k not in saved]
-    extra = [k for k in saved if k not in ours]
-    differ = [k for k in ours if k in saved and tuple(saved[k].shape) != tuple(ours[k].shape)]
-    if not (missing or extra or differ):
-        return
-    what = [f"{k}: {list(saved[k].shape)} in the checkpoint, {list(ours[k].shape)} here" for k in differ[:2]]
-    what += [f"{k} only in this model" for k in missing[:1]]
-    what += [f"{k} only in the checkpoint" for k in extra[:1]]
-    settings = model_differences((state.get("config") or {}).get("model") or {}, config.get("model") or {})
-    fix = f"resume with {' '.join(settings)}" if settings else "resume with the model it was made with"
-    raise ConfigError(
-        f"checkpoint {path} holds a model of other layer shapes ({'; '.join(what)}): {fix}, or start a "
-        "fresh run in a new folder"
-    )
 
 
 @dataclass

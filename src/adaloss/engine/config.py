@@ -1,7 +1,8 @@
-"""Checks on the composed config before anything is built, and the schedule length they imply.
+"""Checks on the composed config before anything else is built.
 
-``validate_config`` is called first thing in ``train(cfg)``, so a typo fails with one line that names the
-problem and the fix (a :class:`ConfigError`) rather than deep inside the loop or with a traceback:
+``validate_config`` is called by ``train(cfg)`` before anything is read or written, so a typo fails with one
+line that names the problem and the fix (a :class:`ConfigError`) rather than deep inside the loop or with a
+traceback:
 
 * every group and section against its schema (:func:`adaloss.schemas.check_config`: keys it does not
   declare, and every range; the types were checked by OmegaConf when Hydra composed the config), which also
@@ -9,7 +10,8 @@ problem and the fix (a :class:`ConfigError`) rather than deep inside the loop or
 * what no single schema can see: the model and the dataset suit each other (a detector needs a detection
   dataset, a classifier images, a language model text), the ``_target_`` of the optimizer and schedule can
   be imported, the device exists, and the precision and scaler can be built (their classes check the
-  combinations, such as ``precision.backend=autocast`` with an FP8 format).
+  combinations, such as ``precision.backend=autocast`` with an FP8 format). They are built once, here, on
+  the run's device, and returned: the run uses these two objects.
 
 Data on disk is checked by the dataset builders, which read it.
 """
@@ -18,25 +20,30 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from adaloss.data import DATASET_NAMES, DETECTION_DATASET_NAMES, TEXT_DATASET_NAMES
+from adaloss.engine.compose import build_numerics, schedule_length
 from adaloss.engine.tasks import check_model_and_dataset
 from adaloss.errors import ConfigError
+from adaloss.precision import Precision
+from adaloss.scalers import LossScaler
 from adaloss.schemas import check_config
-from adaloss.utils.device import select_device
-from adaloss.utils.targets import build_precision, build_scaler, locate_target
+from adaloss.utils.targets import locate_target
 
 
-def validate_config(cfg: DictConfig) -> None:
-    """Raise ``ConfigError`` naming the first invalid value and its fix. No side effects; costs one walk
-    over the config, one CUDA availability query, and the imports of the model, data, precision and scaler
-    modules (which the run needs anyway)."""
+def validate_config(cfg: DictConfig, device: str | torch.device = "cpu") -> tuple[Precision, LossScaler]:
+    """Raise ``ConfigError`` naming the first invalid value and its fix; else return the run's precision
+    and loss scaler, built once on ``device`` (the run's: ``train`` passes the process's device; the CPU
+    suffices to check a config). Writes nothing; costs one walk over the config, one CUDA availability
+    query, the imports of the model, data, precision and scaler modules (which the run needs anyway) and
+    the two constructors (:func:`adaloss.engine.compose.build_numerics`)."""
     _check_model_and_dataset(cfg)  # names before resolving: a mismatched pair may leave ${...} dangling
     check_config(cfg)
     _check_targets(cfg)
-    _check_run(cfg)
+    return build_numerics(cfg, device)
 
 
 def _check_model_and_dataset(cfg: DictConfig) -> None:
@@ -78,25 +85,6 @@ def _check_targets(cfg: DictConfig) -> None:
     locate_target("schedule", cfg.schedule.get("_target_"), "schedule=cosine")
 
 
-def _check_run(cfg: DictConfig) -> None:
-    """``device``, and the precision and scaler builders' own checks of their combinations."""
-    select_device(cfg.device)  # raises for an unknown name, and for cuda without a CUDA device
-    # The CPU suffices to check the names; the scaler needs the gradient format (fp8_e5m2 has its own).
-    precision = build_precision(cfg.precision, "cpu", telemetry_format=cfg.telemetry.format)
-    build_scaler(cfg.scaler, getattr(precision, "grad_format", None))
-
-
-def schedule_length(trainer: DictConfig, iters_per_epoch: int) -> tuple[int, int]:
-    """``(full, run)``: the recipe's schedule length in iterations, and the iterations this run does.
-
-    ``full`` is ``trainer.steps`` or ``trainer.epochs * iters_per_epoch``; ``run`` is ``full`` capped by
-    ``trainer.max_steps``. The lr schedule is laid over ``run``, so a capped run keeps the decay shape.
-    """
-    full = int(trainer.steps) if trainer.steps is not None else int(trainer.epochs) * iters_per_epoch
-    run = min(full, int(trainer.max_steps)) if trainer.max_steps is not None else full
-    return full, run
-
-
 def resolved_config(cfg: DictConfig) -> dict[str, Any]:
     """The config as plain containers with every interpolation resolved, without Hydra's own node.
 
@@ -109,3 +97,6 @@ def resolved_config(cfg: DictConfig) -> dict[str, Any]:
     container = OmegaConf.to_container(own, resolve=True, throw_on_missing=False)
     assert isinstance(container, dict)
     return container
+
+
+__all__ = ["resolved_config", "schedule_length", "validate_config"]

@@ -13,7 +13,8 @@ A run folder (``paths.output_dir``, Hydra's ``hydra.run.dir``) holds the record 
   mounts), the PID, host and process start time written in the file decide instead.
 * **Record.** A start that is not a resume of the same run never writes into a folder holding another run's
   record: ``resume=null`` into such a folder, or any start whose settings differ from the recorded ones, is
-  refused (a ``ConfigError``) before anything is written.
+  refused (a ``ConfigError``) before anything is written. That decision is
+  :func:`adaloss.engine.admission.check_folder`'s, with the run's other admission checks.
 * **Nothing written before the checks pass.** Hydra would write ``.hydra/`` before ``train()`` runs, so a
   refused resume would already have replaced the finished run's config; ``configs/hydra/default.yaml``
   turns that off (``hydra.output_subdir: null``) and :meth:`RunFolder.commit` writes the same three files
@@ -45,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from adaloss.engine.run_key import check_config_key, key_differences, model_differences
+from adaloss.engine.run_key import key_differences, model_differences
 from adaloss.errors import ConfigError
 from adaloss.logging.metrics import write_atomic, write_json_atomic
 
@@ -318,8 +319,7 @@ class RunFolder:
         folder = RunFolder(run_dir)
         folder.lock()                                   # refuses a folder a live run holds
         try:
-            ...                                         # build everything; find the resume point
-            folder.check(cfg.get("resume"), key, resumed)  # refuses another run's folder
+            ...                                         # build; admission.check_folder(folder, ...)
             folder.commit(key, cfg)                     # run_key.json and .hydra/
             ...                                         # train; metrics.json
             folder.mark_done()                          # last: the run is finished
@@ -369,37 +369,6 @@ class RunFolder:
         except (OSError, ValueError, AttributeError):
             return None
         return key if isinstance(key, dict) else None
-
-    def check(self, setting: Any, key: Mapping[str, Any], resumed: Any) -> None:
-        """Refuse a start that would write into another run's record (``ConfigError``).
-
-        ``setting`` is ``cfg.resume``; ``key`` this run's :func:`~adaloss.engine.run_key.config_key`;
-        ``resumed`` the checkpoint it continues from (a :class:`~adaloss.engine.checkpoint.Resume`) or None.
-        An empty folder takes any start. A folder with a record takes only a resume (``resume=auto`` or a
-        file) whose settings equal the recorded ones.
-        """
-        if not self.enabled:
-            return
-        record = self.record()
-        if not record:
-            return
-        held = f"run folder {self.path} already holds a run ({', '.join(record)})"
-        if setting is None:
-            raise ConfigError(
-                f"{held}; a fresh start (resume=null) would mix two runs' files: continue that run with "
-                "resume=auto and its overrides, or start this one in another folder (hydra.run.dir=<new "
-                "folder>, or leave hydra.run.dir unset for a new dated one)"
-            )
-        recorded = self.recorded_key()
-        if recorded is not None:
-            check_config_key(recorded, key, where=f"run folder {self.path}")
-            return
-        inside = resumed is not None and self.path.resolve() in Path(resumed.path).resolve().parents
-        if not inside:  # the checkpoint resumed from this folder has been checked against key already
-            raise ConfigError(
-                f"{held}, without {KEY_FILE} to tell which settings made it: start this run in another "
-                "folder (hydra.run.dir=<new folder>)"
-            )
 
     def commit(self, key: Mapping[str, Any], cfg: Any) -> None:
         """The start is accepted: record ``key`` in ``run_key.json`` and write Hydra's ``.hydra/`` files

@@ -1,10 +1,12 @@
 """``train(cfg)``: build every part of a run from the composed config, train, evaluate, record.
 
-A run goes through named phases, in this order: :func:`_build` (data, task, scaler, precision, model,
-optimizer: writes nothing), :func:`_resume` (the checkpoint to continue from, every check of the run folder,
-then the folder is the run's), :func:`_loop` (the iterations; what is due after each: telemetry, a log line,
-:func:`_evaluate`, a checkpoint, a stop on a signal) and :func:`_finish` (``metrics.json``, then the ``done``
-marker). They share one :class:`_Run`.
+A run goes through named phases, in this order: the config checked and the precision and scaler built
+(:func:`adaloss.engine.config.validate_config`); a finished run answered and the folder locked
+(:class:`adaloss.engine.admission.Admission`); the build (:func:`adaloss.engine.compose.build_run`: data,
+task, model, optimizer, schedule; writes nothing); :func:`_resume` (the admission's checks, then the folder
+is the run's and the logs open); :func:`_loop` (the iterations; what is due after each: telemetry, a log
+line, :func:`_evaluate`, a checkpoint, a stop on a signal) and :func:`_finish` (``metrics.json``, then the
+``done`` marker). They share one :class:`~adaloss.engine.compose.Run`.
 
 The loop reads top to bottom (the step shape of ``docs/architecture.md``): forward and loss under the
 precision context, backward through the loss scaler, optional unscale + clip, step, update, and the lr
@@ -48,61 +50,47 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import inspect
 import logging
 import math
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch import nn
-from torch.utils.data import DataLoader
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from adaloss.data import build_datasets, make_loader
-from adaloss.data.loaders import BatchStream
-from adaloss.distributed import DistInfo, destroy, rank_seed
+from adaloss.distributed import DistInfo, destroy
+from adaloss.engine.admission import Admission
 from adaloss.engine.checkpoint import (
     CheckpointManager,
-    CheckpointParts,
-    Progress,
     Resume,
-    check_model_shapes,
     config_key,
     save_atomic,
 )
-from adaloss.engine.compiling import StepCompiler
-from adaloss.engine.config import resolved_config, schedule_length, validate_config
-from adaloss.engine.faults import DivergenceGuard, GradientFaults, SkippedStepReport, TrainingDiverged
-from adaloss.engine.optim import build_optimizer, build_schedule
+from adaloss.engine.compose import Run, build_run, schedule_length
+from adaloss.engine.config import resolved_config, validate_config
+from adaloss.engine.faults import SkippedStepReport, TrainingDiverged
 from adaloss.engine.run_folder import (
-    DONE_FILE,
     RunFolder,
     RunFolderError,
-    RunLock,
-    finished_run,
     resume_command,
     writing,
 )
 from adaloss.engine.signals import RunInterrupted, StopRequests
-from adaloss.engine.tasks import Evaluation, Task, build_task
+from adaloss.engine.tasks import Evaluation
 from adaloss.errors import ConfigError
-from adaloss.logging import NullLogger, ProgressBar, TelemetryLog, build_logger, write_json_atomic
+from adaloss.logging import NullLogger, ProgressBar, TelemetryLog, write_json_atomic
 from adaloss.logging.run_log import ScalarLog, progress_line, run_name_on_log_lines
 from adaloss.precision import Precision
-from adaloss.provenance import collect_provenance
 from adaloss.scalers import LossScaler
-from adaloss.schemas import DistributedConf
 from adaloss.telemetry import UnderflowMonitor
-from adaloss.utils import seed_everything, select_device
+from adaloss.utils import select_device
 from adaloss.utils.allocator import tune_cpu_allocator
-from adaloss.utils.targets import build_precision, build_scaler
 
 log = logging.getLogger(__name__)
 
@@ -161,11 +149,7 @@ def train(cfg: DictConfig, callbacks: Sequence[StepCallback] = ()) -> dict[str, 
             ``diverged: true`` and a null test metric (what the paper's tables print as "diverged").
     """
     started = time.perf_counter()
-    validate_config(cfg)
-    run_dir, config = _output_dir(cfg), resolved_config(cfg)
-    device = select_device(cfg.device)
-    if device.type == "cpu":
-        tune_cpu_allocator()  # no page faults per step from malloc returning memory (utils/allocator.py)
+    device = select_device(cfg.device)  # the one setting needed before the config is checked: the group's
     owns_group = not (dist.is_available() and dist.is_initialized())  # else a test's or a sweep's: keep it
     adaloss_log = logging.getLogger("adaloss")
     level, keep_group = adaloss_log.level, False
@@ -180,16 +164,20 @@ def train(cfg: DictConfig, callbacks: Sequence[StepCallback] = ()) -> dict[str, 
             atexit.register(destroy)
         if not ranks.is_main:
             adaloss_log.setLevel(max(logging.WARNING, level))  # one voice: rank 0 logs progress
+        numerics = validate_config(cfg, ranks.device)  # every check; the run's (precision, scaler)
+        run_dir, config = _output_dir(cfg), resolved_config(cfg)
+        if device.type == "cpu":
+            tune_cpu_allocator()  # no page faults per step from malloc returning memory (utils/allocator.py)
         if ranks.is_distributed:
             # the folder rank 0's Hydra chose (an unset hydra.run.dir holds a timestamp, which may differ)
             run_dir = Path(ranks.broadcast(str(run_dir)))
-        finished = _finished_run(cfg, run_dir, config, ranks)  # resume=auto on a finished run: nothing to do
-        if finished is not None:
-            return finished
+        admission = Admission(cfg.get("resume"), run_dir, config, ranks)
+        if (finished := admission.finished(_known_key(cfg))) is not None:
+            return finished  # resume=auto on a finished run: nothing to do
         folder = RunFolder(run_dir, enabled=ranks.is_main)
-        _on_rank0(ranks, folder.lock)  # first: a refused start must not write or log anything
+        admission.lock(folder)  # first: a refused start must not write or log anything
         with run_name_on_log_lines(_sweep_tag(cfg)):
-            metrics = _train(cfg, callbacks, started, run_dir, config, ranks, folder, stop)
+            metrics = _train(cfg, callbacks, started, admission, folder, stop, numerics)
         ranks.barrier()  # nobody leaves while another rank may still talk to it
         return metrics
     finally:
@@ -205,201 +193,27 @@ def _train(
     cfg: DictConfig,
     callbacks: Sequence[StepCallback],
     started: float,
-    run_dir: Path,
-    config: dict[str, Any],
-    ranks: DistInfo,
+    admission: Admission,
     folder: RunFolder,
     stop: StopRequests,
+    numerics: tuple[Precision, LossScaler],
 ) -> dict[str, Any]:
     """The phases of a run, in order: build every part, resume (or start fresh), train, finish."""
-    run = _build(cfg, run_dir, config, ranks, started)
-    _resume(run, folder)
+    run = build_run(cfg, admission.run_dir, dict(admission.config), admission.ranks, started, numerics)
+    _resume(run, admission, folder)
     diverged = _loop(run, callbacks, stop)
     return _finish(run, folder, diverged)
-
-
-@dataclass
-class _Run:
-    """One run's parts, built from its config, and the loop's running state: what the phases share."""
-
-    cfg: DictConfig
-    run_dir: Path
-    config: dict[str, Any]  # the resolved config: recorded in checkpoints, W&B and metrics.json
-    ranks: DistInfo
-    started: float  # perf_counter() at the start, moved back by the wall time of an interrupted part
-    task: Task
-    info: Any  # the dataset's DatasetInfo
-    test_loader: Any
-    steps: int  # the iterations of this run
-    full_steps: int  # the recipe's schedule length (steps < full_steps: squeezed by trainer.max_steps)
-    precision: Precision
-    provenance: dict[str, Any]
-    scaler: LossScaler
-    module: nn.Module  # the unwrapped module: state dicts, evaluation, layer names
-    model: nn.Module  # what the loop calls: module (trainer.compile: compiled), or that in DDP
-    compiler: StepCompiler  # trainer.compile: which steps run compiled, the compile time
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
-    monitor: UnderflowMonitor
-    guard: DivergenceGuard
-    faults: GradientFaults
-    checkpoints: CheckpointManager
-    key: dict[str, Any]  # config_key(): the settings a resume must share
-    batches: BatchStream  # the training batches, epoch after epoch, from a resumable position
-    window: Any  # the task's on-device training sums since the last log line
-    progress: Progress
-    parts: CheckpointParts
-    # opened by _resume, once the folder is the run's
-    history: TelemetryLog | None = None
-    scalars: ScalarLog | None = None
-    logger: Any = None  # rank 0: W&B (or NullLogger with logger=none); other ranks: NullLogger
-    report_skipped: SkippedStepReport | None = None
-    bar: ProgressBar | None = None
-    done: int = 0  # iterations completed
-    saved: int = 0  # the iteration of the newest checkpoint
-    window_time: float = 0.0  # seconds in training iterations since the last log line, for images/s
-
-    def mean_over_ranks(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        """The reduction ``scalars.csv`` applies to the ranks' losses (None for one process)."""
-        ranks = self.ranks
-        return (lambda t: ranks.sum_(t) / ranks.world_size) if ranks.is_distributed else None
-
-
-# ------------------------------------------------------------------------------------------------ build
-
-
-def _build(cfg: DictConfig, run_dir: Path, config: dict[str, Any], ranks: DistInfo, started: float) -> _Run:
-    """Build phase: every part of the run from its config, in the order that fixes the random streams
-    (the same on every rank until the model exists). Writes nothing."""
-    strategy = _strategy(cfg, ranks)  # first: a strategy this launch cannot run is refused before any work
-    if ranks.device.type == "cuda":
-        torch.backends.cudnn.benchmark = True  # fixed input shapes: let cuDNN pick the fastest kernels
-    seed_everything(int(cfg.seed))  # the same on every rank: the same initial weights
-    task, info, train_loader, test_loader = _build_data(cfg, ranks)
-    full_steps, steps = schedule_length(cfg.trainer, len(train_loader))
-
-    # ---- loss scaler, precision (this order: the adaptive scaler returns a transformed model, whose GEMM
-    # layers the precision then names for telemetry)
-    precision = build_precision(cfg.precision, ranks.device, telemetry_format=str(cfg.telemetry.format))
-    precision.apply_tf32()  # FP32 stays FP32 on Ampere+ GPUs unless precision.allow_tf32=true
-    provenance = collect_provenance(ranks.device, precision)  # code, packages, hardware: for metrics.json
-    # The scaler guards the gradients, so it needs the gradient format (fp8_e5m2 differs from the
-    # weight/activation format); None for an fp32 run.
-    scaler = build_scaler(cfg.scaler, precision.grad_format)
-    module = precision.prepare(_attach(scaler, task))
-    # trainer.compile: a compiled wrapper sharing module's parameters; DDP last, around it (it must see the
-    # transformed module); ``module`` stays the unwrapped one: state dicts, evaluation, layer names. One
-    # process, not compiled: model is module.
-    compiler = StepCompiler(module, bool(cfg.trainer.compile), str(cfg.trainer.compile_mode), precision)
-    model = ranks.wrap(compiler.model, strategy)  # fsdp2: shards module in place (model is module)
-    optimizer = build_optimizer(cfg.optimizer, module)  # the same parameter objects as model's
-    scheduler = build_schedule(cfg.schedule, optimizer, steps)
-    if ranks.rank > 0:  # independent random augmentation per rank (after the identical initialization)
-        seed_everything(rank_seed(int(cfg.seed), ranks.rank))
-    monitor = UnderflowMonitor(
-        every=cfg.telemetry.every,
-        fmt=precision.telemetry_format,
-        expected_loss_scale=cfg.telemetry.expected_loss_scale,
-        quantile=cfg.telemetry.quantile,
-        counterfactual=cfg.telemetry.counterfactual,  # every recipe on the same gradients
-    )
-    guard = DivergenceGuard(cfg.trainer.max_consecutive_overflows)
-    on_divergence = str(cfg.trainer.on_divergence)
-    if on_divergence not in ("fail", "record"):
-        raise ConfigError(f"trainer.on_divergence must be 'fail' or 'record', got '{on_divergence}'")
-    faults = GradientFaults.from_config(cfg.get("faults"), module)  # test hook; no-op unless faults.inject
-    checkpoints = CheckpointManager.from_config(cfg.trainer, run_dir)
-    key = config_key(cfg, steps)
-    batches, window = BatchStream(train_loader), task.new_window()
-    progress = Progress(best_value=task.initial_best)
-    parts = CheckpointParts(
-        key, module, optimizer, scheduler, scaler, batches, window, guard, progress, ranks, precision,
-        sharded=ranks.is_distributed and strategy == "fsdp2",
-    )  # fmt: skip
-    return _Run(
-        cfg, run_dir, config, ranks, started, task, info, test_loader, steps, full_steps, precision,
-        provenance, scaler, module, model, compiler, optimizer, scheduler, monitor, guard, faults,
-        checkpoints, key, batches, window, progress, parts,
-    )  # fmt: skip
-
-
-def _strategy(cfg: DictConfig, ranks: DistInfo) -> str:
-    """``distributed.strategy`` (the schema's default where a config has no ``distributed`` node), checked
-    against the launch and the settings FSDP2 does not support here."""
-    strategy = str(OmegaConf.select(cfg, "distributed.strategy", default=DistributedConf.strategy))
-    if strategy != "fsdp2":
-        return strategy
-    if not ranks.is_distributed:
-        raise ConfigError(
-            "distributed.strategy=fsdp2 shards the model over torchrun's processes, but this is one process: "
-            "launch with python -m torch.distributed.run --nproc_per_node 2 train.py ... (2 or more), or "
-            "drop distributed.strategy=fsdp2"
-        )
-    unsupported = {
-        "trainer.compile=true": bool(cfg.trainer.compile),
-        "faults.inject (gradient hooks on the sharded parameters)": bool(cfg.get("faults", {}).get("inject")),
-    }
-    for setting, used in unsupported.items():
-        if used:
-            raise ConfigError(
-                f"distributed.strategy=fsdp2 does not support {setting}; drop it, or use "
-                "distributed.strategy=ddp"
-            )
-    return strategy
-
-
-def _attach(scaler: Any, task: Task) -> nn.Module:
-    """``scaler.attach(task.model)``, with the task's example inputs where the scaler takes them (the adaptive
-    scaler captures a model torch.fx cannot trace, a transformers model, with ``torch.export`` on them)."""
-    example = task.example_inputs()
-    params = inspect.signature(scaler.attach).parameters.values()
-    if example and any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
-        return scaler.attach(task.model, *example)
-    return scaler.attach(task.model)
-
-
-def _build_data(cfg: DictConfig, ranks: DistInfo) -> tuple[Task, Any, DataLoader, DataLoader]:
-    """The task (classification, detection or language model: the loss, the batch layout, the test metric),
-    the dataset's info and the training and test loaders."""
-    device = ranks.device
-    train_set, test_set, info = build_datasets(cfg.dataset, cfg.paths.data_dir)
-    task = build_task(cfg, info, device)
-    task.initialize(train_set)  # e.g. model.init=lsuv; the same on every rank (same seed, same samples)
-    workers = int(cfg.trainer.num_workers)
-    # batch_size is the global batch; under DDP each rank loads its share of every global batch
-    pin = device.type == "cuda"  # pinned host memory only helps copies to a GPU
-    train_loader = make_loader(
-        train_set, cfg.trainer.batch_size, train=True, seed=cfg.seed, num_workers=workers,
-        collate_fn=task.collate_fn, rank=ranks.rank, world_size=ranks.world_size, pin_memory=pin,
-    )  # fmt: skip
-    test_loader = make_loader(
-        test_set, cfg.trainer.eval_batch_size, train=False, seed=cfg.seed, num_workers=workers,
-        collate_fn=task.collate_fn, pin_memory=pin,
-    )  # fmt: skip
-    return task, info, train_loader, test_loader
 
 
 # ----------------------------------------------------------------------------------------------- resume
 
 
-def _resume(run: _Run, folder: RunFolder) -> None:
+def _resume(run: Run, admission: Admission, folder: RunFolder) -> None:
     """Resume phase: continue from a checkpoint (``resume=auto|<file>``) or start fresh (``resume=null``).
-    Every check comes first; then the run takes its folder (``run_key.json``, ``.hydra/``) and opens its
-    logs (:func:`_open_logs`)."""
+    Every check comes first (:meth:`Admission.admit`); then the run takes its folder (``run_key.json``,
+    ``.hydra/``) and opens its logs (:func:`_open_logs`)."""
     cfg, ranks = run.cfg, run.ranks
-    resumed = run.checkpoints.resume_point(cfg.get("resume"), run.key)  # every rank reads the checkpoint
-    if ranks.is_distributed:
-        points = ranks.gather(None if resumed is None else resumed.step)
-        if len(set(points)) > 1:
-            raise ConfigError(
-                f"the ranks found different checkpoints to resume from (steps {points}); the run folder "
-                f"{run.run_dir} must be the same folder on every rank, or pass resume=<file>"
-            )
-    # one run per folder: a start that is not a resume of the run recorded there is refused
-    _on_rank0(ranks, lambda: folder.check(cfg.get("resume"), run.key, resumed))
-    if resumed is not None:
-        check_model_shapes(resumed.state, run.module, resumed.path, run.config)  # e.g. another model.hidden
-    _on_rank0(ranks, lambda: _refuse_finished(run))
+    resumed = admission.admit(folder, run.checkpoints, run.key, run.module)
     if resumed is not None:
         run.parts.load_state_dict(resumed.state, resumed.path)  # fsdp2: every rank reads its shards
         run.done = run.saved = resumed.step
@@ -412,10 +226,10 @@ def _resume(run: _Run, folder: RunFolder) -> None:
     _open_logs(run, resumed)
 
 
-def _open_logs(run: _Run, resumed: Resume | None) -> None:
+def _open_logs(run: Run, resumed: Resume | None) -> None:
     """``telemetry.jsonl`` and ``scalars.csv`` cut back to the iteration the run continues from, the start
     line, W&B (the resumed run's id) and the progress bar."""
-    cfg, ranks, start = run.cfg, run.ranks, run.done
+    settings, ranks, start = run.settings, run.ranks, run.done
     run.history = TelemetryLog(run.run_dir / "telemetry.jsonl", enabled=ranks.is_main)
     run.scalars = ScalarLog(
         run.run_dir / "scalars.csv", layerwise=_layerwise(run.scaler), enabled=ranks.is_main
@@ -427,39 +241,35 @@ def _open_logs(run: _Run, resumed: Resume | None) -> None:
         with writing("trimmed log", run.history.path):
             run.history.truncate(after=start)
             run.scalars.trim(after=start)
-    info, batch = run.info, int(cfg.trainer.batch_size)
+    info, batch = run.info, settings.batch_size
     log.info(
         "%s: %s on %s (%d train / %d test), %s, scaler %s; %d iterations of batch %d (%s)%s",
-        cfg.name, cfg.model.name, info.name, info.train_size, info.test_size, run.precision,
-        cfg.scaler.name, run.steps, batch, _schedule_note(run.steps, run.full_steps),
+        settings.name, settings.model, info.name, info.train_size, info.test_size, run.precision,
+        settings.scaler, run.steps, batch, _schedule_note(run.steps, run.full_steps),
         f"; {ranks.world_size} processes ({ranks.backend}), {batch // ranks.world_size} samples each"
         if ranks.is_distributed else "",
     )  # fmt: skip
     # rank 0 alone logs and writes; the other ranks get a logger that records nothing
     run_id = resumed.state.get("wandb_run_id") if resumed else None
-    run.logger = (
-        build_logger(cfg.logger, run.run_dir, run.config, run_id=run_id) if ranks.is_main else NullLogger()
-    )
+    run.logger = run.make_logger(run_id=run_id) if ranks.is_main else NullLogger()
     run.report_skipped = SkippedStepReport(run.logger)
-    run.bar = ProgressBar(
-        run.steps, desc=str(cfg.name), enabled=bool(cfg.trainer.progress_bar) and ranks.is_main
-    )
+    run.bar = ProgressBar(run.steps, desc=settings.name, enabled=settings.progress_bar and ranks.is_main)
     run.bar.update(start)
 
 
 # ------------------------------------------------------------------------------------------------- loop
 
 
-def _loop(run: _Run, callbacks: Sequence[StepCallback], stop: StopRequests) -> TrainingDiverged | None:
+def _loop(run: Run, callbacks: Sequence[StepCallback], stop: StopRequests) -> TrainingDiverged | None:
     """Train phase: iterations ``run.done + 1`` to ``run.steps``, each a step (forward, backward, step,
     update, schedule) followed by what is due at that iteration: telemetry, a log line, an evaluation, a
     checkpoint, a stop on a signal. Returns the divergence that ended a run recorded as diverged
     (``trainer.on_divergence=record``), else None."""
-    cfg, task, model, scaler, optimizer = run.cfg, run.task, run.model, run.scaler, run.optimizer
-    clip = cfg.trainer.grad_clip
-    loss_factor = float(cfg.trainer.loss_multiplier) * run.ranks.loss_factor  # gradients only
-    record_divergence = str(cfg.trainer.on_divergence) == "record"
-    log_every, eval_every = int(cfg.trainer.log_every), int(cfg.trainer.eval_every)
+    settings, task, model, scaler, optimizer = run.settings, run.task, run.model, run.scaler, run.optimizer
+    clip = settings.grad_clip
+    loss_factor = settings.loss_multiplier * run.ranks.loss_factor  # gradients only
+    record_divergence = settings.record_divergence
+    log_every, eval_every = settings.log_every, settings.eval_every
     model.train()
     try:
         with logging_redirect_tqdm():
@@ -481,7 +291,7 @@ def _loop(run: _Run, callbacks: Sequence[StepCallback], stop: StopRequests) -> T
                 scaler.scale(loss * loss_factor if loss_factor != 1.0 else loss).backward()
                 if clip is not None:
                     scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-                    nn.utils.clip_grad_norm_(model.parameters(), float(clip))
+                    nn.utils.clip_grad_norm_(model.parameters(), clip)
                 scaler.step(optimizer)  # note: one host sync (reads the Inf/NaN flag)
                 scaler.update()
                 run.done = done = step + 1  # iterations completed: the x-axis of every logged series
@@ -531,7 +341,7 @@ def _loop(run: _Run, callbacks: Sequence[StepCallback], stop: StopRequests) -> T
     return None
 
 
-def _check_divergence(run: _Run, loss: torch.Tensor, record: bool) -> TrainingDiverged | None:
+def _check_divergence(run: Run, loss: torch.Tensor, record: bool) -> TrainingDiverged | None:
     """After the update of iteration ``run.done``: report a skipped step and let the divergence guard
     check it. ``TrainingDiverged`` is raised, or with ``record`` logged and returned (the run ends there)."""
     skipped = run.scaler.last_step_skipped
@@ -549,7 +359,7 @@ def _check_divergence(run: _Run, loss: torch.Tensor, record: bool) -> TrainingDi
     return None
 
 
-def _record_telemetry(run: _Run) -> None:
+def _record_telemetry(run: Run) -> None:
     """A telemetry step: the layers' underflow rates into ``telemetry.jsonl`` and W&B. Note: one host sync;
     under DDP also one all-reduce (the mean over the ranks)."""
     run.progress.rates = rates = run.ranks.mean_rates(run.monitor.underflow_rates())
@@ -561,7 +371,7 @@ def _record_telemetry(run: _Run) -> None:
     run.logger.log(_scaler_metrics(run.scaler), step=run.done)
 
 
-def _log_progress(run: _Run) -> None:
+def _log_progress(run: Run) -> None:
     """A logging step: the training window's loss and accuracy to W&B, the bar and a log line, and the
     buffered rows to ``scalars.csv``. Note: two host syncs (under DDP each with one all-reduce)."""
     progress, scaler, done = run.progress, run.scaler, run.done
@@ -589,7 +399,7 @@ def _log_progress(run: _Run) -> None:
 # --------------------------------------------------------------------------------------------- evaluate
 
 
-def _evaluate(run: _Run) -> None:
+def _evaluate(run: Run) -> None:
     """An evaluation step: rank 0 evaluates the unwrapped module (no collectives inside) and tells the
     others; the best metric so far is updated and logged. A sharded model (fsdp2) needs every rank in each
     forward pass (its all-gathers): every rank evaluates the whole test set, and rank 0's result counts."""
@@ -620,7 +430,7 @@ def _shared_evaluation(ranks: DistInfo, evaluation: Evaluation | None) -> Evalua
     return Evaluation(value, **extra)
 
 
-def _save(run: _Run, step: int) -> int:
+def _save(run: Run, step: int) -> int:
     """Write the checkpoint of iteration ``step`` (every rank calls this: it gathers their states); returns
     ``step``."""
     with writing("scalars", run.scalars.path):
@@ -634,7 +444,7 @@ def _save(run: _Run, step: int) -> int:
     return step
 
 
-def _stop_if_requested(run: _Run, stop: StopRequests, log_every: int) -> None:
+def _stop_if_requested(run: Run, stop: StopRequests, log_every: int) -> None:
     """A signal (SIGTERM, SIGINT, SIGUSR2, SIGHUP): stop here, saved, unless the run is done. Under DDP the
     ranks agree on logging steps (one tiny all-reduce where they sync anyway)."""
     done, ranks = run.done, run.ranks
@@ -651,11 +461,11 @@ def _stop_if_requested(run: _Run, stop: StopRequests, log_every: int) -> None:
 # ----------------------------------------------------------------------------------------------- finish
 
 
-def _finish(run: _Run, folder: RunFolder, diverged: TrainingDiverged | None) -> dict[str, Any]:
+def _finish(run: Run, folder: RunFolder, diverged: TrainingDiverged | None) -> dict[str, Any]:
     """Finish phase: the metrics, and (rank 0) the record in this order: the last ``scalars.csv`` rows, the
     final weights (``trainer.save_final``), W&B's files, ``metrics.json`` and, last, the ``done`` marker."""
     metrics = _metrics(run, diverged)
-    save_final = bool(run.cfg.trainer.save_final)
+    save_final = run.settings.save_final
     debug_files = os.environ.get(DEBUG_RANK_FILES_ENV) == "1"  # test hook, see DEBUG_RANK_FILES_ENV
     # whole weights; gathered from the shards under fsdp2 (every rank takes part)
     weights = run.parts.full_model_state() if save_final or debug_files else None
@@ -687,7 +497,7 @@ def _finish(run: _Run, folder: RunFolder, diverged: TrainingDiverged | None) -> 
     return metrics
 
 
-def _metrics(run: _Run, diverged: TrainingDiverged | None) -> dict[str, Any]:
+def _metrics(run: Run, diverged: TrainingDiverged | None) -> dict[str, Any]:
     """What ``train`` returns and ``metrics.json`` records (see :func:`train`)."""
     progress, scaler, rates = run.progress, run.scaler, run.progress.rates
     tested = (math.nan, math.nan) if diverged else (progress.test_value, progress.best_value)
@@ -707,7 +517,7 @@ def _metrics(run: _Run, diverged: TrainingDiverged | None) -> dict[str, Any]:
         **({"train_accuracy": progress.train_accuracy} if progress.train_accuracy is not None else {}),
         "lr": run.optimizer.param_groups[0]["lr"],  # final; unchanged by skipped steps
         "wall_time_s": time.perf_counter() - run.started,
-        "images_per_s": run.done * int(run.cfg.trainer.batch_size) / max(progress.train_time, 1e-9),
+        "images_per_s": run.done * run.settings.batch_size / max(progress.train_time, 1e-9),
         "world_size": run.ranks.world_size,
         **run.compiler.metrics(),  # trainer.compile: mode, the first compiled step's time
         "provenance": run.provenance,
@@ -732,62 +542,12 @@ def _output_dir(cfg: DictConfig) -> Path:
         ) from None
 
 
-def _on_rank0(ranks: DistInfo, check: Callable[[], None]) -> None:
-    """Run ``check`` (a no-op on ranks other than 0, which own no folder); a ``ConfigError`` it raises on
-    rank 0 stops every rank with the same message (the others would wait for rank 0 forever)."""
-    failure: ConfigError | None = None
-    try:
-        check()
-    except ConfigError as error:
-        failure = error
-    if ranks.is_distributed:
-        message = ranks.broadcast(None if failure is None else str(failure))
-        if failure is None and message is not None:
-            failure = ConfigError(message)
-    if failure is not None:
-        raise failure
-
-
-def _finished_run(
-    cfg: DictConfig, run_dir: Path, config: dict[str, Any], ranks: DistInfo
-) -> dict[str, Any] | None:
-    """With ``resume=auto``, the recorded metrics of the run that finished in ``run_dir`` (its ``done``
-    marker exists) with this start's settings, after one printed line saying so; else None. Nothing is
-    locked, logged to the run's files or written: a finished run stays as it is. A finished run of other
-    settings is left to the start's checks, which refuse it (:func:`_refuse_finished`)."""
-    found: dict[str, Any] | None = None
-
-    def look() -> None:
-        nonlocal found
-        finished = finished_run(run_dir) if ranks.is_main and _resume_auto(cfg) else None
-        if finished is not None and not RunLock(run_dir).busy():  # a live holder: refused as "in use"
-            trainer = cfg.trainer  # the run length, where the config alone fixes it (else the data does)
-            steps = schedule_length(trainer, 0)[1] if trainer.get("steps") is not None else None
-            if not finished.differences(config_key(cfg, steps), config):
-                found = finished.metrics
-
-    _on_rank0(ranks, look)
-    found = ranks.broadcast(found)
-    if found is not None and ranks.is_main:  # printed, not logged: the run's train.log stays untouched
-        print(
-            f"run {run_dir} is finished ({run_dir / DONE_FILE} exists): its metrics are in "
-            f"{run_dir / 'metrics.json'}; nothing to do (to train again, start a run in another folder)",
-            flush=True,
-        )
-    return found
-
-
-def _refuse_finished(run: _Run) -> None:
-    """``ConfigError`` for ``resume=auto`` into a finished run that the other checks let through: one of
-    other model settings of the same layer shapes (a finished run of these settings returned earlier).
-    Rank 0 only: the others own no folder."""
-    finished = finished_run(run.run_dir) if run.ranks.is_main and _resume_auto(run.cfg) else None
-    if finished is not None:
-        raise finished.refusal(finished.differences(run.key, run.config) or ["other settings"])
-
-
-def _resume_auto(cfg: DictConfig) -> bool:
-    return str(cfg.get("resume")).strip() == "auto"
+def _known_key(cfg: DictConfig) -> dict[str, Any]:
+    """``config_key`` with the run length where the config alone fixes it (``trainer.steps``; else the data
+    does, and the length is left out): what a finished run's record is compared with before the build."""
+    trainer = cfg.trainer
+    steps = schedule_length(trainer, 0)[1] if trainer.get("steps") is not None else None
+    return config_key(cfg, steps)
 
 
 def _layerwise(scaler: LossScaler) -> bool:
@@ -838,7 +598,7 @@ def _stopped_by_signal(
     raise RunInterrupted(line, unchained[0])
 
 
-def _what_is_left(run: _Run) -> str:
+def _what_is_left(run: Run) -> str:
     """After a failed write: where the run stopped, which checkpoints are intact and how to continue."""
     kept = [path.name for _, path in run.checkpoints.checkpoints()]
     where = f"the run stopped after iteration {run.done}/{run.steps}"
