@@ -88,7 +88,7 @@ def test_a_python_without_the_projects_dependencies_gets_one_error_line() -> Non
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.count("\n") == 1 and done.stderr.startswith("error: gpu-check:"), done.stderr
-    assert "pip install -e ." in done.stderr
+    assert "pip install -e '.[runner]'" in done.stderr  # hydra is the runner extra's
 
 
 # ------------------------------------------------------------------------------ compiled steps (issue 34)
