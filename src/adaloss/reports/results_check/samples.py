@@ -162,7 +162,7 @@ SAMPLES: tuple[Sample, ...] = (
             "script": "scripts/lm_underflow.py",
             "args": ["--out", "{out}"],
             "file": "underflow.json",
-            "keys": ["settings", "training", "results"],
+            "keys": ["training", "results"],
         },
         "",
         0.0,
