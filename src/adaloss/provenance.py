@@ -23,6 +23,7 @@ __all__ = [
     "collect_provenance",
     "cpu_isa",
     "cpu_name",
+    "cpu_vendor",
     "device_name",
     "git_state",
     "kernel_key",
@@ -121,6 +122,18 @@ def cpu_isa() -> str:
     return "avx2" if {"avx2", "fma"} <= flags else "default"
 
 
+def cpu_vendor() -> str | None:
+    """``/proc/cpuinfo``'s ``vendor_id`` (``GenuineIntel``, ``AuthenticAMD``), or None: MKL picks its code
+    path by vendor as well as by instruction set, unless ``MKL_CBWR`` fixes it."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            return next(
+                (line.split(":", 1)[1].strip() for line in handle if line.startswith("vendor_id")), None
+            )
+    except OSError:
+        return None
+
+
 def kernel_path() -> dict[str, Any]:
     """The CPU kernel path of this process: what decides the bits of a CPU result besides the code.
 
@@ -144,6 +157,7 @@ def kernel_path() -> dict[str, Any]:
     path: dict[str, Any] = {
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu_isa": cpu_isa(),
+        "cpu_vendor": cpu_vendor(),
         **{name.lower(): os.environ.get(name) for name in KERNEL_CAPS},
         "blas": blas,
         "threads": torch.get_num_threads(),
@@ -154,14 +168,16 @@ def kernel_path() -> dict[str, Any]:
 
 def kernel_key(path: dict[str, Any]) -> str:
     """One line naming a kernel path (:func:`kernel_path`'s dict): the instruction set each library runs
-    (its cap when set, else the CPU's) and the thread count, as ``aten=AVX2 onednn=AVX2 mkl=AVX2 threads=1``.
-    Equal keys: the same kernels."""
+    (its cap when set, else the CPU's; MKL's with the CPU's vendor unless ``MKL_CBWR`` fixes its code path)
+    and the thread count, as ``aten=AVX2 onednn=AVX2 mkl=AVX2 threads=2``. Equal keys: the same kernels."""
     isa = str(path.get("cpu_isa") or "default").upper()
     onednn = path.get("onednn_max_cpu_isa") or isa
-    mkl = path.get("mkl_cbwr") or path.get("mkl_enable_instructions") or isa
+    mkl = path.get("mkl_cbwr") or (
+        f"{path.get('mkl_enable_instructions') or isa}/{path.get('cpu_vendor') or 'unknown vendor'}"
+    )
     return (
         f"aten={str(path.get('torch_cpu_capability')).upper()} onednn={str(onednn).upper()} "
-        f"mkl={str(mkl).upper()} threads={path.get('threads')}"
+        f"mkl={mkl.upper() if path.get('mkl_cbwr') else mkl} threads={path.get('threads')}"
     )
 
 
