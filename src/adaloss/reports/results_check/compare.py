@@ -90,8 +90,9 @@ def judge(sample: Sample, committed: Any, rerun: dict[str, Any], recorded_key: s
     else:
         a, b = _number(committed.get(sample.headline)), _number(rerun["values"].get(sample.headline))
         ok = a is not None and b is not None and abs(a - b) <= sample.tolerance
+        where = "not recorded" if recorded_key == "not recorded" else f"recorded: {recorded_key}"
         mode = (
-            f"within ±{sample.tolerance:g} on {sample.headline} (recorded on {recorded_key}, here {key}; "
+            f"within ±{sample.tolerance:g} on {sample.headline} (kernel path {where}, here {key}; "
             f"spread {spread(diffs):.4g})"
         )
     if ok:
