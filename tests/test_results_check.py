@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from adaloss.provenance import KERNEL_CAPS, kernel_key, kernel_path, pin_kernel_path
+from adaloss.provenance import KERNEL_CAPS, cpu_vendor, kernel_key, kernel_path, pin_kernel_path
 from adaloss.reports.results_check import cli
 from adaloss.reports.results_check.compare import judge, read_record
 from adaloss.reports.results_check.reruns import rerun
@@ -133,7 +133,7 @@ def test_the_kernel_path_names_the_caps_and_pinning_sets_them(tmp_path: Path) ->
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     path = json.loads(out.stdout)
     assert path["torch_cpu_capability"] == "AVX2" and path["onednn_max_cpu_isa"] == "AVX2"
-    assert path["key"] == "aten=AVX2 onednn=AVX2 mkl=AVX2 threads=1"  # MKL_CBWR: whatever the vendor
+    assert path["key"] == f"aten=AVX2 onednn=AVX2 mkl=AVX2/{cpu_vendor() or 'unknown'} threads=1"
     with pytest.raises(RuntimeError, match="after torch was imported"):
         pin_kernel_path()  # this process imported torch: too late for ATen
 

@@ -124,7 +124,7 @@ def cpu_isa() -> str:
 
 def cpu_vendor() -> str | None:
     """``/proc/cpuinfo``'s ``vendor_id`` (``GenuineIntel``, ``AuthenticAMD``), or None: MKL picks its code
-    path by vendor as well as by instruction set, unless ``MKL_CBWR`` fixes it."""
+    path by vendor as well as by instruction set."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as handle:
             return next(
@@ -168,16 +168,15 @@ def kernel_path() -> dict[str, Any]:
 
 def kernel_key(path: dict[str, Any]) -> str:
     """One line naming a kernel path (:func:`kernel_path`'s dict): the instruction set each library runs
-    (its cap when set, else the CPU's; MKL's with the CPU's vendor unless ``MKL_CBWR`` fixes its code path)
-    and the thread count, as ``aten=AVX2 onednn=AVX2 mkl=AVX2 threads=2``. Equal keys: the same kernels."""
+    (its cap when set, else the CPU's), MKL's with the CPU's vendor (MKL's reproducible ``MKL_CBWR`` branches
+    are Intel's; on other CPUs MKL keeps its own dispatch), and the thread count, as
+    ``aten=AVX2 onednn=AVX2 mkl=AVX2/AuthenticAMD threads=2``. Equal keys: the same kernels."""
     isa = str(path.get("cpu_isa") or "default").upper()
     onednn = path.get("onednn_max_cpu_isa") or isa
-    mkl = path.get("mkl_cbwr") or (
-        f"{path.get('mkl_enable_instructions') or isa}/{path.get('cpu_vendor') or 'unknown vendor'}"
-    )
+    mkl = path.get("mkl_cbwr") or path.get("mkl_enable_instructions") or isa
     return (
         f"aten={str(path.get('torch_cpu_capability')).upper()} onednn={str(onednn).upper()} "
-        f"mkl={mkl.upper() if path.get('mkl_cbwr') else mkl} threads={path.get('threads')}"
+        f"mkl={str(mkl).upper()}/{path.get('cpu_vendor') or 'unknown'} threads={path.get('threads')}"
     )
 
 
