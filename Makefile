@@ -28,7 +28,7 @@ test: setup ## run the test suite on the CPU, two pytest workers (12-15 minutes 
 test-full: setup ## run every test, the slow ones included (two pytest workers)
 	$(PY) -m pytest -q -n 2 --dist worksteal tests
 
-results-check: setup ## rerun the cheapest committed cell of every result on a page; compare bit for bit on the recorded kernel path (~2 min; --full in make test-full)
+results-check: setup ## rerun the cheapest committed cell of every result on a page; compare bit for bit on the recorded kernel path (6 samples, a few CPU-minutes; --full: make test-full)
 	$(PY) scripts/results_check.py
 
 lint: setup ## ruff lint and format check

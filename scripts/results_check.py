@@ -1,6 +1,6 @@
 """Rerun a sample of every committed result shown on a page and compare it with the committed numbers.
 
-    python scripts/results_check.py            # the quick sample (make results-check, CI): about 2 minutes
+    python scripts/results_check.py            # the quick sample (make results-check, CI): 6 cells, minutes
     python scripts/results_check.py --full     # and the mini reproduction's, the claims' and the demo's cells
     python scripts/results_check.py --list     # the records and the samples; rerun nothing
 
