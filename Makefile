@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test test-full lint format demo bench gpu-check tables figures reproduce-mini reproduce-claims docs clean
+.PHONY: help setup test test-full lint format demo bench gpu-check tables figures reproduce-mini reproduce-claims docs clean results-check
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  %-14s %s\n", $$1, $$2}'
@@ -27,6 +27,9 @@ test: setup ## run the test suite on the CPU, two pytest workers (12-15 minutes 
 
 test-full: setup ## run every test, the slow ones included (two pytest workers)
 	$(PY) -m pytest -q -n 2 --dist worksteal tests
+
+results-check: setup ## rerun the cheapest committed cell of every result on a page; compare bit for bit on the recorded kernel path (6 samples, a few CPU-minutes; --full: make test-full)
+	$(PY) scripts/results_check.py
 
 lint: setup ## ruff lint and format check; the import contracts of the three layers (pyproject.toml)
 	$(VENV)/bin/ruff check src tests scripts train.py

@@ -37,6 +37,9 @@ def _copy(tmp_path: Path) -> Path:
     shutil.copytree(
         ROOT / "results", root / "results", ignore=shutil.ignore_patterns("runs", "sweeps", "demo")
     )
+    (root / "results" / "demo").mkdir()
+    for name in ("table.md", "record.json"):  # the demo's committed table, not its run folders
+        shutil.copy2(ROOT / "results" / "demo" / name, root / "results" / "demo" / name)
     shutil.copy2(ROOT / "README.md", root / "README.md")
     return root
 

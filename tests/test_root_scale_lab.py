@@ -57,12 +57,35 @@ def test_a_tiny_run_of_every_root_writes_runs_bench_and_tables(script, tmp_path:
     assert "| ResNet-20, digits (test accuracy (%))" in text and "adaptive / fixed" in text
 
 
+def test_merge_reruns_one_task_and_keeps_the_others(script, tmp_path: Path, monkeypatch) -> None:
+    """``--tasks resnet20 --merge``: ResNet-20's runs and cost replaced (a tiny ResNet-20 here), the GPT's
+    and SSD512's kept as committed, and the tables say which machine the rerun task ran on."""
+    shutil.copyfile(ROOT / "results" / "root" / "root_scale.json", tmp_path / "root_scale.json")
+    committed = json.loads((tmp_path / "root_scale.json").read_text(encoding="utf-8"))
+    overrides, key, higher, label, outputs = tasks.TASKS["resnet20"]
+    tiny = ("model=resnet20", "dataset=digits", "dataset.image_size=8", "trainer.batch_size=4")
+    tiny += ("trainer.max_steps=2", "trainer.eval_every=2", "scaler.update_every=1")
+    monkeypatch.setitem(tasks.TASKS, "resnet20", (tiny, key, higher, label, outputs))
+    script.main(
+        ["--tasks", "resnet20", "--seeds", "0", "--merge", "--bench-rounds", "1", "--out", str(tmp_path)]
+    )
+    merged = json.loads((tmp_path / "root_scale.json").read_text(encoding="utf-8"))
+    kept = [r for r in committed["runs"] if r["task"] != "resnet20"]
+    assert merged["runs"][: len(kept)] == kept and merged["machine"] == committed["machine"]
+    assert [(r["task"], r["seed"]) for r in merged["runs"][len(kept) :]] == [("resnet20", 0)] * 3
+    assert [b["task"] for b in merged["bench"]] == ["gpt", "ssd", "resnet20"]
+    assert merged["bench"][:2] == committed["bench"][:2] and set(merged["merged"]) == {"resnet20"}
+    text = (tmp_path / "root_scale.md").read_text(encoding="utf-8")
+    assert "ResNet-20, digits: rerun (`--merge`) on Machine:" in text
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
         (["--tasks", "vit"], "error: unknown task(s) vit: choose from gpt, ssd, resnet20"),
         (["--seeds", "0,x"], "error: --seeds takes integers separated by commas, got '0,x'"),
         (["--from-json"], "does not exist; run scripts/root_scale.py without --from-json first"),
+        (["--merge"], "root_scale.json does not exist; run without --merge first"),
     ],
 )
 def test_bad_input_is_one_error_line(script, tmp_path: Path, argv, message) -> None:

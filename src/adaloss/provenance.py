@@ -18,7 +18,19 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-__all__ = ["collect_provenance", "cpu_name", "device_name", "git_state"]
+__all__ = [
+    "KERNEL_CAPS",
+    "collect_provenance",
+    "cpu_isa",
+    "cpu_name",
+    "cpu_vendor",
+    "device_name",
+    "git_state",
+    "kernel_key",
+    "kernel_path",
+    "pin_kernel_path",
+    "result_record",
+]
 
 #: Seconds each git call may take (a network file system can stall); past it the state is reported unknown.
 GIT_TIMEOUT_S = 5.0
@@ -82,6 +94,130 @@ def device_name(device: Any) -> str:
     return cpu_name()
 
 
+#: The environment variables that cap the instruction set of each CPU kernel library torch calls: ATen's own
+#: vectorized kernels (read when torch starts), oneDNN's convolutions and matrix products (read at its first
+#: call) and MKL's BLAS (``MKL_ENABLE_INSTRUCTIONS`` caps the dispatch, ``MKL_CBWR`` fixes one code path
+#: whatever the CPU: Intel's "conditional numerical reproducibility"). Values for AVX2, in their spelling.
+KERNEL_CAPS = {
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    "MKL_CBWR": "AVX2",
+}
+
+
+def cpu_isa() -> str:
+    """The widest x86 vector instruction set the CPU offers, as torch's CPU capability names it:
+    ``avx512`` (AVX-512 F, BW, VL and DQ, what ATen's AVX512 kernels need), ``avx2``, else ``default``
+    (no ``/proc/cpuinfo``, or another architecture)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            flags = next(
+                (set(line.split(":", 1)[1].split()) for line in handle if line.startswith("flags")), set()
+            )
+    except OSError:
+        return "default"
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+        return "avx512"
+    return "avx2" if {"avx2", "fma"} <= flags else "default"
+
+
+def cpu_vendor() -> str | None:
+    """``/proc/cpuinfo``'s ``vendor_id`` (``GenuineIntel``, ``AuthenticAMD``), or None: MKL picks its code
+    path by vendor as well as by instruction set."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            return next(
+                (line.split(":", 1)[1].strip() for line in handle if line.startswith("vendor_id")), None
+            )
+    except OSError:
+        return None
+
+
+def kernel_path() -> dict[str, Any]:
+    """The CPU kernel path of this process: what decides the bits of a CPU result besides the code.
+
+    ``torch_cpu_capability`` (``torch.backends.cpu.get_cpu_capability()``: ATen's vectorized kernels, whose
+    reductions sum in an order set by the vector width), ``cpu_isa`` (:func:`cpu_isa`), the caps in effect
+    (:data:`KERNEL_CAPS`' variables, ``None`` when unset), ``blas`` (torch's BLAS build setting: ``mkl``
+    here), ``threads`` (``torch.get_num_threads()``: a parallel reduction splits by it) and ``key``
+    (:func:`kernel_key`). Two CPU runs of the same code and settings agree bit for bit when their keys are
+    equal (measured on issue 44's machines); across keys the numbers move by float rounding, and a short
+    training run can end elsewhere.
+    """
+    import os
+
+    import torch
+
+    config = torch.__config__.show()
+    blas = next(
+        (part.split("=", 1)[1] for part in config.replace(",", " ").split() if part.startswith("BLAS_INFO=")),
+        None,
+    )
+    path: dict[str, Any] = {
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_isa": cpu_isa(),
+        "cpu_vendor": cpu_vendor(),
+        **{name.lower(): os.environ.get(name) for name in KERNEL_CAPS},
+        "blas": blas,
+        "threads": torch.get_num_threads(),
+    }
+    path["key"] = kernel_key(path)
+    return path
+
+
+def kernel_key(path: dict[str, Any]) -> str:
+    """One line naming a kernel path (:func:`kernel_path`'s dict): the instruction set each library runs
+    (its cap when set, else the CPU's), MKL's with the CPU's vendor (MKL's reproducible ``MKL_CBWR`` branches
+    are Intel's; on other CPUs MKL keeps its own dispatch), and the thread count, as
+    ``aten=AVX2 onednn=AVX2 mkl=AVX2/AuthenticAMD threads=2``. Equal keys: the same kernels."""
+    isa = str(path.get("cpu_isa") or "default").upper()
+    onednn = path.get("onednn_max_cpu_isa") or isa
+    mkl = path.get("mkl_cbwr") or path.get("mkl_enable_instructions") or isa
+    return (
+        f"aten={str(path.get('torch_cpu_capability')).upper()} onednn={str(onednn).upper()} "
+        f"mkl={str(mkl).upper()}/{path.get('cpu_vendor') or 'unknown'} threads={path.get('threads')}"
+    )
+
+
+def pin_kernel_path(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Cap torch's, oneDNN's and MKL's CPU kernels at AVX2 (:data:`KERNEL_CAPS`) in ``environ`` (default
+    ``os.environ``), so a result reproduces bit for bit on an AVX2 and on an AVX-512 CPU. Returns the caps.
+
+    ATen reads its cap once, when torch is first imported: call this before ``import torch`` (a process
+    that already imported torch raises ``RuntimeError``; set the variables for a child process instead).
+    A variable already set is left as it is (the user's choice wins). Does not sync (no device)."""
+    import os
+    import sys
+
+    target = os.environ if environ is None else environ
+    if target is os.environ and "torch" in sys.modules:
+        raise RuntimeError(
+            "pin_kernel_path() after torch was imported: ATen has read ATEN_CPU_CAPABILITY already; call it "
+            "first, or pass the environment of a child process"
+        )
+    for name, value in KERNEL_CAPS.items():
+        target.setdefault(name, value)
+    return {name: target[name] for name in KERNEL_CAPS}
+
+
+def result_record(command: str, commit: str | None = None, root: str | Path | None = None) -> dict[str, Any]:
+    """What a committed result file records about what made it: ``commit`` (the code's, default the
+    checkout's HEAD), ``dirty`` (tracked files changed), ``command`` (what regenerates it), ``kernel_path``
+    (:func:`kernel_path` of this process), ``cpu`` and ``torch``."""
+    import torch
+
+    state = git_state(root)
+    return {
+        "commit": commit or state["git_commit"],
+        "dirty": False if commit else state["git_dirty"],
+        "command": command,
+        "kernel_path": kernel_path(),
+        "cpu": cpu_name(),
+        "torch": torch.__version__,
+    }
+
+
 def _version(package: str) -> str | None:
     try:
         return metadata.version(package)
@@ -126,6 +262,7 @@ def collect_provenance(device: Any, precision: Any = None) -> dict[str, Any]:
         device=str(device),
         device_name=device_name(device),
         cpu=cpu_name(),
+        kernel_path=kernel_path(),
     )
     if precision is not None:
         mode = "autocast" if precision.uses_autocast else ("emulated" if precision.emulated else "native")

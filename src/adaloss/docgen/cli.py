@@ -24,11 +24,19 @@ def main(argv: Sequence[str] | None = None, root: Path = ROOT) -> int:
         p = argparse.ArgumentParser(
             prog="render_docs.py stamp", description="record what produced a bench JSON"
         )
-        p.add_argument("json", type=Path)
+        p.add_argument("json", type=Path, help="a bench JSON, or a result folder (writes its record.json)")
         p.add_argument("--command", required=True, help="the command that wrote it, e.g. 'make bench'")
         p.add_argument("--commit", default=None, help="the commit it measured (default: HEAD)")
+        p.add_argument("--note", default=None, help="a folder's record: how its kernel path is known")
+        p.add_argument(
+            "--path-unknown",
+            action="store_true",
+            help="a folder's record: the kernel path it ran on is unknown",
+        )
         args = p.parse_args(argv[1:])
-        record = stamp(args.json, args.command, args.commit, root=root)
+        record = stamp(
+            args.json, args.command, args.commit, root=root, note=args.note, path_known=not args.path_unknown
+        )
         print(f"stamped {args.json}: {record}")
         return 0
     p = argparse.ArgumentParser(description=DESCRIPTION)

@@ -52,6 +52,19 @@ def root_scale(root: Path) -> str:
     return paragraphs(escape_html(text))
 
 
+def demo_table(root: Path) -> str:
+    """``results/demo/table.md`` as ``make demo`` wrote it, after a line naming what made it (its
+    ``record.json``: commit, command, kernel path)."""
+    folder = root / "results" / "demo"
+    record = json.loads((folder / "record.json").read_text(encoding="utf-8"))
+    path = record["kernel_path"]
+    made = (
+        f"Made by `{record['command']}` at commit {record['commit']} on {record['cpu']} (torch "
+        f"{record['torch']}), kernel path pinned: `{path['key']}`."
+    )
+    return made + "\n\n" + (folder / "table.md").read_text(encoding="utf-8").strip()
+
+
 def lm_table(folder: str) -> Callable[[Path], str]:
     def render(root: Path) -> str:
         return paragraphs((root / "results" / "lm" / folder / "table.md").read_text(encoding="utf-8"))
@@ -245,6 +258,7 @@ REGIONS: dict[str, Callable[[Path], str]] = {
     "mini-figures": mini_figures,
     "mini-claims": mini_claims,
     "root-scale": root_scale,
+    "demo-table": demo_table,
     "lm-untied": lm_table("untied"),
     "lm-tied": lm_table("tied"),
     "lm-underflow": lm_table("underflow"),

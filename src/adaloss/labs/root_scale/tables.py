@@ -110,6 +110,10 @@ def report(summary: dict[str, Any]) -> str:
     seeds = sorted({r["seed"] for r in rows})
     parts = [
         f"{header_line(summary['machine'])}; seeds {','.join(map(str, seeds))}; emulated FP16 on the CPU",
+        *(
+            f"{PRETTY[task]}: rerun (`--merge`) on {header_line(machine)}"
+            for task, machine in summary.get("merged", {}).items()
+        ),
         "",
         "Validation metric (mean ± 95% t-interval over the seeds; differences paired by seed):",
         "",
