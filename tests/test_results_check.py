@@ -1,4 +1,4 @@
-"""``make results-check`` (``adaloss.reports.results_check``): a rerun equal to the committed numbers passes,
+"""``make results-check`` (``adaloss.results_check``): a rerun equal to the committed numbers passes,
 a changed committed number or a planted change of behaviour fails naming the result and its command, every
 result folder is covered, and the kernel path is recorded."""
 
@@ -17,10 +17,10 @@ import torch
 from torch import nn
 
 from adaloss.provenance import KERNEL_CAPS, cpu_vendor, kernel_key, kernel_path, pin_kernel_path
-from adaloss.reports.results_check import cli
-from adaloss.reports.results_check.compare import judge, read_record
-from adaloss.reports.results_check.reruns import rerun
-from adaloss.reports.results_check.samples import FAMILIES, SAMPLES, committed
+from adaloss.results_check import cli
+from adaloss.results_check.compare import judge, read_record
+from adaloss.results_check.reruns import rerun
+from adaloss.results_check.samples import FAMILIES, SAMPLES, committed
 from conftest import ROOT
 
 FP8_GPT = next(s for s in SAMPLES if (s.family, s.name) == ("fp8", "gpt fp32 seed 0"))

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from adaloss.provenance import KERNEL_CAPS
-from adaloss.reports.results_check.samples import FAMILIES, Family, Sample
+from adaloss.results_check.samples import FAMILIES, Family, Sample
 
 
 def differences(committed: Any, rerun: Any, where: str = "") -> list[tuple[str, Any, Any]]:

@@ -1,5 +1,5 @@
 """The reruns of :mod:`.samples`, each through the code its lab runs, at its committed settings; run in a
-child process of its own (``python -m adaloss.reports.results_check.reruns FAMILY NAME OUT``, which writes
+child process of its own (``python -m adaloss.results_check.reruns FAMILY NAME OUT``, which writes
 ``OUT/rerun.json``: the numbers, in the form :func:`.samples.committed` reads, and the kernel path).
 
 Each kind calls what the lab's script calls (``adaloss.labs.*``' ``run_one``), or runs the script itself into
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from adaloss.reports.results_check.samples import (
+from adaloss.results_check.samples import (
     FAMILIES,
     Sample,
     claims_cells,
@@ -139,7 +139,7 @@ def rerun(sample: Sample, out: Path) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """``FAMILY NAME OUT``: rerun that sample, write ``OUT/rerun.json``."""
-    from adaloss.reports.results_check.samples import SAMPLES
+    from adaloss.results_check.samples import SAMPLES
 
     family, name, out = argv if argv is not None else sys.argv[1:]
     (sample,) = [s for s in SAMPLES if (s.family, s.name) == (family, name)]

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from adaloss.reports.measurement import ROOT
-from adaloss.reports.results_check.compare import (
+from adaloss.results_check.compare import (
     Verdict,
     child_env,
     code_changed_since,
@@ -24,7 +24,7 @@ from adaloss.reports.results_check.compare import (
     judge,
     read_record,
 )
-from adaloss.reports.results_check.samples import FAMILIES, SAMPLES, Sample, committed
+from adaloss.results_check.samples import FAMILIES, SAMPLES, Sample, committed
 
 DESCRIPTION = (
     "Rerun a sample of every committed result shown on a page and compare it with the committed numbers."
@@ -40,7 +40,7 @@ def run_sample(sample: Sample, root: Path, work: Path) -> dict[str, Any]:
     command = [
         sys.executable,
         "-m",
-        "adaloss.reports.results_check.reruns",
+        "adaloss.results_check.reruns",
         sample.family,
         sample.name,
         str(out),
