@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP) ## create .venv (Python 3.11): torch 2.14.1, torchvision 0.29.1, the package with its runner and test extras
 
-test: setup ## run the test suite on the CPU, two pytest workers (12-15 minutes on 2 shared cores)
+test: setup ## run the test suite on the CPU, two pytest workers (9-15 minutes on 2 shared cores)
 	$(PY) -m pytest -q -n 2 --dist worksteal -m "not slow" tests
 
 test-full: setup ## run every test, the slow ones included (two pytest workers)
