@@ -40,6 +40,49 @@ _STATES: weakref.WeakValueDictionary[str, AdaptiveState] = weakref.WeakValueDict
 _BINDINGS: weakref.WeakKeyDictionary[AdaptiveState, _Binding] = weakref.WeakKeyDictionary()
 
 
+def _checked(
+    t_uf: Any,
+    update_every: Any,
+    growth_interval: Any,
+    init_scale: Any,
+    fmt: FloatFormat | str | None,
+    rule: Any,
+    allow_below_one: Any,
+    u_min: Any,
+    u_max: Any,
+) -> tuple[float, int, int, float, FloatFormat, str, float, float]:
+    """The adaptive scaler's options checked, each bad one a ``ConfigError`` naming the setting and the
+    fix: ``(t_uf, update_every, growth_interval, init_scale, fmt, rule, u_min, u_max)``, defaults filled."""
+    t_uf = _number(t_uf, "scaler.t_uf")
+    if not 0.0 < t_uf < 1.0:
+        raise ConfigError(f"scaler.t_uf must lie strictly between 0 and 1 (e.g. 1e-3), got {t_uf}")
+    update_every = _integer(update_every, "scaler.update_every")
+    growth_interval = _integer(growth_interval, "scaler.growth_interval")
+    init_scale = _number(init_scale, "scaler.init_scale")
+    if not (math.isfinite(init_scale) and init_scale > 0):
+        raise ConfigError(f"scaler.init_scale must be a positive number (e.g. 1), got {init_scale}")
+    fmt = get_format(fmt if fmt is not None else "fp16")
+    if not isinstance(rule, str) or rule.strip().lower() not in RULES:
+        raise ConfigError(
+            f"scaler.rule must be one of {', '.join(RULES)}, got {rule!r}; e.g. scaler.rule=reference"
+        )
+    rule = rule.strip().lower()
+    if not isinstance(allow_below_one, bool):
+        raise ConfigError(f"scaler.allow_below_one must be true or false, got {allow_below_one!r}")
+    if allow_below_one and rule == "reference":
+        raise ConfigError(
+            "scaler.allow_below_one=true applies to scaler.rule=paper only (under the reference rule "
+            "beta falls below 1 through its overflow and accumulation bounds): drop it or set "
+            "scaler.rule=paper"
+        )
+    default_u_min = REFERENCE_FP16_U_MIN if rule == "reference" and fmt.name == "fp16" else fmt.u_min
+    u_min_ = _number(u_min, "scaler.u_min") if u_min is not None else default_u_min
+    u_max_ = _number(u_max, "scaler.u_max") if u_max is not None else fmt.u_max
+    if not 0 < u_min_ < u_max_:
+        raise ConfigError(f"need 0 < scaler.u_min < scaler.u_max, got {u_min_} and {u_max_}")
+    return t_uf, update_every, growth_interval, init_scale, fmt, rule, u_min_, u_max_
+
+
 class AdaptiveLossScaler(LossScaler):
     """Layer-wise loss scaling computed from each layer's statistics during the backward pass.
 
@@ -222,34 +265,9 @@ class AdaptiveLossScaler(LossScaler):
     ) -> None:
         # the arguments, what a copy is built from (``__getstate__``)
         self._options = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
-        t_uf = _number(t_uf, "scaler.t_uf")
-        if not 0.0 < t_uf < 1.0:
-            raise ConfigError(f"scaler.t_uf must lie strictly between 0 and 1 (e.g. 1e-3), got {t_uf}")
-        update_every = _integer(update_every, "scaler.update_every")
-        growth_interval = _integer(growth_interval, "scaler.growth_interval")
-        init_scale = _number(init_scale, "scaler.init_scale")
-        if not (math.isfinite(init_scale) and init_scale > 0):
-            raise ConfigError(f"scaler.init_scale must be a positive number (e.g. 1), got {init_scale}")
-        fmt = get_format(fmt if fmt is not None else "fp16")
-        self.fmt = fmt
-        if not isinstance(rule, str) or rule.strip().lower() not in RULES:
-            raise ConfigError(
-                f"scaler.rule must be one of {', '.join(RULES)}, got {rule!r}; e.g. scaler.rule=reference"
-            )
-        rule = rule.strip().lower()
-        if not isinstance(allow_below_one, bool):
-            raise ConfigError(f"scaler.allow_below_one must be true or false, got {allow_below_one!r}")
-        if allow_below_one and rule == "reference":
-            raise ConfigError(
-                "scaler.allow_below_one=true applies to scaler.rule=paper only (under the reference rule "
-                "beta falls below 1 through its overflow and accumulation bounds): drop it or set "
-                "scaler.rule=paper"
-            )
-        default_u_min = REFERENCE_FP16_U_MIN if rule == "reference" and fmt.name == "fp16" else fmt.u_min
-        self.u_min = _number(u_min, "scaler.u_min") if u_min is not None else default_u_min
-        self.u_max = _number(u_max, "scaler.u_max") if u_max is not None else fmt.u_max
-        if not 0 < self.u_min < self.u_max:
-            raise ConfigError(f"need 0 < scaler.u_min < scaler.u_max, got {self.u_min} and {self.u_max}")
+        t_uf, update_every, growth_interval, init_scale, self.fmt, rule, self.u_min, self.u_max = _checked(
+            t_uf, update_every, growth_interval, init_scale, fmt, rule, allow_below_one, u_min, u_max
+        )
         super().__init__(device, init_scale=2.0 ** math.floor(math.log2(init_scale)), enabled=enabled)
         if not isinstance(product_betas, bool):
             raise ConfigError(f"scaler.product_betas must be true or false, got {product_betas!r}")
