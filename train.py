@@ -1,6 +1,7 @@
 """The command line: ``python train.py [group=option ...] [key=value ...]`` (see configs/train.yaml).
 
-A thin ``@hydra.main`` wrapper around :func:`adaloss.engine.train`: Hydra composes the config, picks the
+A thin ``@hydra.main`` wrapper around :func:`adaloss.runner.engine.train`: Hydra composes the config, picks
+the
 run folder (``results/runs/...``, or ``results/sweeps/...`` with ``-m``) and logs to it; everything else
 happens in ``train(cfg)``.
 
@@ -46,7 +47,7 @@ from omegaconf import DictConfig  # noqa: E402
 CONFIG_DIR = ROOT / "configs"
 # configs/paths/default.yaml reads the repository root from here, wherever train.py is launched from.
 os.environ.setdefault("ADALOSS_ROOT", str(ROOT))
-from adaloss.schemas import register  # noqa: E402
+from adaloss.runner.schemas import register  # noqa: E402
 
 register()  # the config schemas into Hydra's ConfigStore, where configs/*/*.yaml find them
 
@@ -67,16 +68,16 @@ def main(cfg: DictConfig) -> float:
     _started = True
     _hydra_reports_errors(True)
     try:
-        from adaloss.engine import train  # imported here so `--help` and `--cfg` stay fast
+        from adaloss.runner.engine import train  # imported here so `--help` and `--cfg` stay fast
     except ModuleNotFoundError as error:  # torchvision is an extra (pyproject.toml): say how to add it
         if error.name != "torchvision":
             raise
         _remove_untouched_run_folder(cfg)
         _fail(_no_torchvision())
-    from adaloss.engine.faults import TrainingDiverged
-    from adaloss.engine.run_folder import RunFolderError
-    from adaloss.engine.signals import RunInterrupted
     from adaloss.errors import ConfigError
+    from adaloss.runner.engine.faults import TrainingDiverged
+    from adaloss.runner.engine.run_folder import RunFolderError
+    from adaloss.runner.engine.signals import RunInterrupted
 
     try:
         metrics = train(cfg)
@@ -195,7 +196,7 @@ def _interrupted() -> str:
     try:
         from hydra.core.hydra_config import HydraConfig
 
-        from adaloss.engine.run_folder import resume_command
+        from adaloss.runner.engine.run_folder import resume_command
 
         if HydraConfig.initialized():  # inside main(): the run's own folder and overrides
             how = resume_command(Path(HydraConfig.get().runtime.output_dir))
@@ -219,7 +220,7 @@ def _os_error_in(error: BaseException) -> OSError | None:
 
 def _cannot_write(error: OSError) -> str:
     """One line for a run folder Hydra cannot create or write its log into."""
-    from adaloss.engine.run_folder import describe_os_error
+    from adaloss.runner.engine.run_folder import describe_os_error
 
     where = Path(str(error.filename)) if error.filename else Path(".")
     folder = where.parent if where.suffix else where
@@ -400,7 +401,7 @@ def _schema_fields(text: str, group: str) -> list[str]:
     """The fields of the schema an option's file starts from (``- /schema/scaler/fixed@_here_``)."""
     import dataclasses
 
-    from adaloss.schemas import SCHEMAS
+    from adaloss.runner.schemas import SCHEMAS
 
     found = re.search(rf"- /schema/{group}/(\w+)@", text)
     if found is None:

@@ -1,4 +1,5 @@
-"""Helpers shared by the scripts: ``src/`` on ``sys.path``, and :mod:`adaloss.reports.measurement`'s helpers
+"""Helpers shared by the scripts: ``src/`` on ``sys.path``, and :mod:`adaloss.lab.reports.measurement`'s
+helpers
 under their old names (the models by name, the machine header, quantiles, JSON output).
 
 The scripts put ``src/`` on ``sys.path`` through this module, so they also run from a checkout without
@@ -18,7 +19,7 @@ from _env import require_project_python  # noqa: E402 - standard library only; s
 
 require_project_python()  # a shell without .venv activated: one error: line naming the fix
 
-from adaloss.reports.measurement import (  # noqa: E402, F401  (the scripts' names for them)
+from adaloss.lab.reports.measurement import (  # noqa: E402, F401  (the scripts' names for them)
     MODEL_CFGS,
     PRETTY,
     cpu_model,

@@ -1,4 +1,5 @@
-"""Step-time ratios of the training configurations, measured interleaved in one process: ``adaloss.bench``.
+"""Step-time ratios of the training configurations, measured interleaved in one process:
+``adaloss.lab.bench``.
 
     python scripts/bench.py                    # make bench: ResNets, tiny GPT, host-bound step, op counts
     python scripts/bench.py --quick            # seconds: ResNet-20, batch 8, 2 rounds
@@ -7,7 +8,8 @@
     python scripts/bench.py --hostbound only   # the host-bound step alone, eager and compiled (Inductor)
 
 Results go to ``results/bench/bench.json`` (``opcounts.json``, ``gpt.json``, ``hostbound.json`` for the
-``only`` runs; ``--out`` elsewhere); ``--help`` lists the options, and :mod:`adaloss.bench`'s docstring says
+``only`` runs; ``--out`` elsewhere); ``--help`` lists the options, and :mod:`adaloss.lab.bench`'s docstring
+says
 how and why it measures.
 """
 
@@ -21,11 +23,11 @@ from _env import require_project_python  # noqa: E402 - standard library only; s
 
 require_project_python()  # a shell without .venv activated: one error: line naming the fix
 
-from adaloss.bench import cli  # noqa: E402
+from adaloss.lab.bench import cli  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """:func:`adaloss.bench.cli.main`, its default ``--out`` in this checkout."""
+    """:func:`adaloss.lab.bench.cli.main`, its default ``--out`` in this checkout."""
     return cli.main(argv, root=ROOT)
 
 

@@ -1,7 +1,7 @@
 """`make demo`: ResNet-20 on the bundled digits, FP32 and FP16 under every loss scaler, side by side.
 
 Runs the digits recipe (configs/dataset/digits.yaml) five times in this process, each by composing the
-same config `python train.py` uses and calling `adaloss.engine.train`:
+same config `python train.py` uses and calling `adaloss.runner.engine.train`:
 
     fp32 (no scaling) | fp16 none | fp16 fixed (S=128) | fp16 dynamic | fp16 adaptive
 
@@ -10,7 +10,8 @@ step, averaged over layers) and wall time. Each run's folder is results/demo/<la
 offline W&B files). About 5 minutes on 2 idle CPU cores; `--max-steps 50` for a quicker look.
 
 The kernel path is pinned, so every CPU prints the same table: torch's, oneDNN's and MKL's kernels capped at
-AVX2 (:func:`adaloss.provenance.pin_kernel_path`; a variable you set yourself wins) and 2 threads. Without
+AVX2 (:func:`adaloss.runner.provenance.pin_kernel_path`; a variable you set yourself wins) and 2 threads.
+Without
 the pin, the table depends on the CPU's vector instructions and the thread count (a 30-step FP32 run:
 26.11% test accuracy on AVX-512 with 1 thread, 22.50% with 2, 23.61% capped at AVX2).
 """
@@ -33,7 +34,7 @@ from _env import require_project_python  # noqa: E402 - standard library only; s
 require_project_python()  # a shell without .venv activated: one error: line naming the fix
 
 sys.path.insert(0, str(ROOT / "src"))  # this checkout's adaloss, before torch is imported
-from adaloss.provenance import pin_kernel_path, result_record  # noqa: E402 - standard library only
+from adaloss.runner.provenance import pin_kernel_path, result_record  # noqa: E402 - standard library only
 
 pin_kernel_path()  # before torch: ATen reads its cap when it starts
 #: The threads every demo run uses (the thread count splits the parallel reductions: part of the path).
@@ -41,8 +42,8 @@ THREADS = 2
 
 from omegaconf import open_dict  # noqa: E402
 
-from adaloss.engine import train  # noqa: E402
-from adaloss.schemas import compose_train  # noqa: E402
+from adaloss.runner.engine import train  # noqa: E402
+from adaloss.runner.schemas import compose_train  # noqa: E402
 
 #: (label, overrides) of each run, in table order.
 RUNS: list[tuple[str, list[str]]] = [

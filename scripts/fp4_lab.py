@@ -8,7 +8,7 @@
 
 Runs go to ``results/fp4/runs_<model>.jsonl`` (``gpt``, ``resnet20``; resumable: a run already there is not
 run again), the tables, one per model, to ``results/fp4/fp4_lab.md``. The cells are
-:mod:`adaloss.labs.fp8.fp4`.
+:mod:`adaloss.lab.fp8.fp4`.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ os.environ.setdefault("ADALOSS_ROOT", str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import _common  # noqa: E402, F401  (puts src/ on sys.path)
-from adaloss.labs.fp8 import runs  # noqa: E402
-from adaloss.labs.fp8.cells import settings_digest  # noqa: E402
-from adaloss.labs.fp8.fp4 import FP4_MODELS, FP4_SMOKE_CELLS, fp4_cells, fp4_report  # noqa: E402
+from adaloss.lab.fp8 import runs  # noqa: E402
+from adaloss.lab.fp8.cells import settings_digest  # noqa: E402
+from adaloss.lab.fp8.fp4 import FP4_MODELS, FP4_SMOKE_CELLS, fp4_cells, fp4_report  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

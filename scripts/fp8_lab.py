@@ -6,7 +6,7 @@
 
 Runs go to ``results/fp8/runs_<model>.jsonl`` (resumable), the report to ``results/fp8/fp8_lab.{md,csv,json}``
 and ``fp8_gap.png`` / ``fp8_layers.png``. The lab itself, what it runs and how it counts, is
-:mod:`adaloss.labs.fp8`.
+:mod:`adaloss.lab.fp8`.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ os.environ.setdefault("ADALOSS_ROOT", str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import _common  # noqa: E402, F401  (puts src/ on sys.path)
-from adaloss.labs.fp8 import cli  # noqa: E402
+from adaloss.lab.fp8 import cli  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
-    """:func:`adaloss.labs.fp8.cli.main`, its default paths in this checkout."""
+    """:func:`adaloss.lab.fp8.cli.main`, its default paths in this checkout."""
     return cli.main(argv, root=ROOT)
 
 

@@ -1,4 +1,4 @@
-"""``make gpu-check``: the CUDA tests, gradient checks and step times of :mod:`adaloss.gpucheck` on this
+"""``make gpu-check``: the CUDA tests, gradient checks and step times of :mod:`adaloss.lab.gpucheck` on this
 machine's GPU, with the torch installed here (one line and exit 0 without CUDA)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ try:
     import omegaconf  # noqa: F401
     import torch  # noqa: F401
 
-    from adaloss.gpucheck import main
+    from adaloss.lab.gpucheck import main
 except ImportError as exc:  # the python make chose (GPU_PYTHON) lacks torch or this project's dependencies
     needs = "the python of your CUDA torch: make gpu-check GPU_PYTHON=/path/to/it"
     if getattr(exc, "name", None) != "torch":

@@ -3,7 +3,8 @@
     .venv/bin/python scripts/lm_runs.py [--seeds 0,1,2] [--variants fp32,none,...] [overrides]
 
 Each run composes the config ``python train.py model=gpt dataset=pystdlib <variant> <overrides>`` uses and
-calls ``adaloss.engine.train`` in this process (folders under ``--out``, default ``results/lm/``). Before it,
+calls ``adaloss.runner.engine.train`` in this process (folders under ``--out``, default ``results/lm/``).
+Before it,
 the validation loss of the run's initial model is measured: the trainer seeds, builds the data and builds
 the model in that order, so doing the same here gives the weights the run starts from. Prints a Markdown
 table (mean and sample standard deviation over the seeds of the validation loss at the start and at the
@@ -31,17 +32,17 @@ os.environ.setdefault("ADALOSS_ROOT", str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from _common import header_line, machine_info  # noqa: E402
-from adaloss.labs.lm_runs import VARIANTS, compose_run  # noqa: E402
+from adaloss.lab.lm_runs import VARIANTS, compose_run  # noqa: E402
 
 
 def initial_val_loss(cfg) -> float:  # noqa: ANN001 - a DictConfig
     """The validation loss of the model the run starts from (same seed, same build order as the trainer)."""
     import torch
 
-    from adaloss.data import build_datasets, make_loader
-    from adaloss.engine.tasks import build_task
-    from adaloss.utils import seed_everything
-    from adaloss.utils.targets import build_precision
+    from adaloss.runner.data import build_datasets, make_loader
+    from adaloss.runner.engine.tasks import build_task
+    from adaloss.runner.utils import seed_everything
+    from adaloss.runner.utils.targets import build_precision
 
     seed_everything(int(cfg.seed))
     _, val_set, info = build_datasets(cfg.dataset, cfg.paths.data_dir)
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
         "overrides", nargs="*", help="more overrides for every run, e.g. model.tie_weights=false"
     )
     args = parser.parse_args(argv)
-    from adaloss.engine import train
+    from adaloss.runner.engine import train
 
     variants = args.variants.split(",")
     unknown = [v for v in variants if v not in VARIANTS]

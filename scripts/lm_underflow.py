@@ -6,7 +6,7 @@
 The README's transformer underflow table: one telemetry step per scaler on one training batch, at
 initialization and after ``--steps`` FP32 steps, in FP16 and with FP8 e5m2 gradients. Writes
 ``<out>/underflow.json`` and ``<out>/table.md``; prints the table. What it measures and how:
-:mod:`adaloss.labs.underflow` (the tiny GPT's table).
+:mod:`adaloss.lab.underflow` (the tiny GPT's table).
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import _common  # noqa: E402, F401  (puts src/ on sys.path)
-from adaloss.labs.underflow import lm_cli  # noqa: E402
+from adaloss.lab.underflow import lm_cli  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """:func:`adaloss.labs.underflow.lm_cli.main`, its default paths in this checkout."""
+    """:func:`adaloss.lab.underflow.lm_cli.main`, its default paths in this checkout."""
     return lm_cli.main(argv, root=ROOT)
 
 

@@ -1,5 +1,5 @@
 """The paper's Figures 1 and 4, and underflow and loss-scale figures of every sweep, from the telemetry of
-finished runs: ``adaloss.reports.figures``.
+finished runs: ``adaloss.lab.reports.figures``.
 
     python scripts/make_figures.py results/sweeps/<time> [more folders ...] [--out results/figures] [--wandb]
 
@@ -15,7 +15,7 @@ from _env import require_project_python  # noqa: E402 - standard library only; s
 
 require_project_python()  # a shell without .venv activated: one error: line naming the fix
 
-from adaloss.reports.figures import main  # noqa: E402
+from adaloss.lab.reports.figures import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

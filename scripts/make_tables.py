@@ -1,4 +1,4 @@
-"""The paper's Tables 1-5 and a summary of every sweep, from finished runs: ``adaloss.reports.tables``.
+"""The paper's Tables 1-5 and a summary of every sweep, from finished runs: ``adaloss.lab.reports.tables``.
 
     python scripts/make_tables.py results/sweeps/<time> [more folders ...] [--out results/tables] [--all]
     python scripts/make_tables.py --wandb ENTITY/PROJECT          # runs recorded in W&B (needs a network)
@@ -15,7 +15,7 @@ from _env import require_project_python  # noqa: E402 - standard library only; s
 
 require_project_python()  # a shell without .venv activated: one error: line naming the fix
 
-from adaloss.reports.tables import main  # noqa: E402
+from adaloss.lab.reports.tables import main  # noqa: E402
 
 if __name__ == "__main__":
     main()

@@ -30,7 +30,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from adaloss.labs.attention_betas.model import CausalSelfAttention, corpus, sample_batch  # noqa: E402
+from adaloss.lab.attention_betas.model import CausalSelfAttention, corpus, sample_batch  # noqa: E402
 
 DIM, HIDDEN, EXPERTS, TOP_K, LAYERS, VOCAB = 64, 128, 4, 2, 2, 256
 

@@ -5,7 +5,8 @@
     python scripts/render_docs.py stamp results/bench/bench.json --command "make bench"
 
 Fills the ``<!-- generated: NAME -->`` regions of ``README.md`` and ``docs/**/*.md`` and copies the mini
-reproduction's figures to ``docs/assets/mini/``. The regions, the pages and ``stamp``: :mod:`adaloss.docgen`.
+reproduction's figures to ``docs/assets/mini/``. The regions, the pages and ``stamp``:
+:mod:`adaloss.lab.docgen`.
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import _common  # noqa: E402, F401  (puts src/ on sys.path)
-from adaloss.docgen import cli  # noqa: E402
+from adaloss.lab.docgen import cli  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    """:func:`adaloss.docgen.cli.main`, its default paths in this checkout."""
+    """:func:`adaloss.lab.docgen.cli.main`, its default paths in this checkout."""
     return cli.main(argv, root=ROOT)
 
 

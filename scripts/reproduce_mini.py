@@ -26,7 +26,7 @@ it): ``experiment=claims_ssd``, SSD512 on shapes at batch 8 with its gradients c
 ``trainer.loss_multiplier`` to the paper's underflow regime (the config says how and why), 7 methods x
 ``--claims-seeds`` (default five), 100 iterations each, at two calibrations (gradients x 2^-12 and x 2^-16):
 70 runs, about 40 minutes of one core. Then
-``python -m adaloss.reports.claims`` turns them into a verdict per claim of the paper (``claims/``).
+``python -m adaloss.lab.reports.claims`` turns them into a verdict per claim of the paper (``claims/``).
 
 Output, under ``--out``: one sweep folder per experiment, ``tables/`` (``tables.md`` and the CSVs of
 ``scripts/make_tables.py``), ``figures/`` (the PNGs of ``scripts/make_figures.py``), ``claims/``
@@ -73,7 +73,7 @@ LAUNCHES: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 #: The claims stage: (experiment, overrides), each launched with ``--claims-seeds``; its runs are judged by
-#: ``adaloss.reports.claims`` (the experiment config holds the calibration and the methods).
+#: ``adaloss.lab.reports.claims`` (the experiment config holds the calibration and the methods).
 CLAIM_LAUNCHES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("claims_ssd", ()),  # the calibration: gradients x 2^-12
     # gradients 16 times smaller still (x 2^-16): lr x 2^16, weight decay and clipping norm x 2^-16
@@ -204,7 +204,7 @@ def _claims_stage(args, seeds, out, env, started, timing) -> int:  # type: ignor
         folders.append(str(out / label))
     print(f"[{time.perf_counter() - started:6.0f} s] claims", flush=True)
     claims = subprocess.run(
-        [sys.executable, "-m", "adaloss.reports.claims", *folders, "--out", str(out / "claims")],
+        [sys.executable, "-m", "adaloss.lab.reports.claims", *folders, "--out", str(out / "claims")],
         cwd=ROOT, env=env,
     )  # fmt: skip
     return claims.returncode

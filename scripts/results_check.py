@@ -6,7 +6,7 @@
 
 Bit for bit where the result's recorded kernel path is this machine's, within each sample's stated tolerance
 otherwise; a stale result is named with the command that regenerates it (exit 1). What is checked and how:
-:mod:`adaloss.results_check`.
+:mod:`adaloss.lab.results_check`.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import _common  # noqa: E402, F401  (puts src/ on sys.path)
-from adaloss.results_check import cli  # noqa: E402
+from adaloss.lab.results_check import cli  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    """:func:`adaloss.results_check.cli.main`, in this checkout."""
+    """:func:`adaloss.lab.results_check.cli.main`, in this checkout."""
     return cli.main(argv, root=ROOT)
 
 

@@ -5,7 +5,7 @@
 
 Short runs of each task under each root, seed by seed, then a cost benchmark, in this process. Writes
 ``<out>/root_scale.json`` (every run, the benchmark, the machine) and ``<out>/root_scale.md`` (the tables).
-The tasks, what is measured and how: :mod:`adaloss.labs.root_scale`.
+The tasks, what is measured and how: :mod:`adaloss.lab.root_scale`.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ os.environ.setdefault("ADALOSS_ROOT", str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import _common  # noqa: E402, F401  (puts src/ on sys.path)
-from adaloss.labs.root_scale import cli  # noqa: E402
+from adaloss.lab.root_scale import cli  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
-    """:func:`adaloss.labs.root_scale.cli.main`, its default paths in this checkout."""
+    """:func:`adaloss.lab.root_scale.cli.main`, its default paths in this checkout."""
     return cli.main(argv, root=ROOT)
 
 

@@ -23,8 +23,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as C  # noqa: E402  (puts src/ on the path)
-from adaloss.reports import figures as mf  # noqa: E402
-from adaloss.reports.common import ReportError, fmt_num  # noqa: E402
+from adaloss.lab.reports import figures as mf  # noqa: E402
+from adaloss.lab.reports.common import ReportError, fmt_num  # noqa: E402
 
 
 def method_of(run: mf.RunInfo) -> str:

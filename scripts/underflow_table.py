@@ -5,7 +5,7 @@
 The README's numerical-effect table: one telemetry step per scaler on one digits batch, at initialization
 and after FP32 training, in FP16 and with FP8 e5m2 gradients. Writes
 ``results/underflow/<model>_<regime>.csv`` and ``results/underflow/underflow.json``; prints the summary
-table. What it measures and how: :mod:`adaloss.labs.underflow`.
+table. What it measures and how: :mod:`adaloss.lab.underflow`.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import _common  # noqa: E402, F401  (puts src/ on sys.path)
-from adaloss.labs.underflow import cli  # noqa: E402
+from adaloss.lab.underflow import cli  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """:func:`adaloss.labs.underflow.cli.main`, its default paths in this checkout."""
+    """:func:`adaloss.lab.underflow.cli.main`, its default paths in this checkout."""
     return cli.main(argv, root=ROOT)
 
 

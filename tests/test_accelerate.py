@@ -16,8 +16,8 @@ accelerate = pytest.importorskip("accelerate")
 
 from adaloss.integrations.accelerate import use_scaler  # noqa: E402
 from adaloss.precision import Precision  # noqa: E402
+from adaloss.runner.utils.targets import build_scaler  # noqa: E402
 from adaloss.scalers import LossScaler  # noqa: E402
-from adaloss.utils.targets import build_scaler  # noqa: E402
 from trainer_parity import (  # noqa: E402
     CLIP,
     LOSS_FACTOR,

@@ -17,12 +17,12 @@ from adaloss.adaptive import (
     gemm_loss_scale,
 )
 from adaloss.errors import ConfigError
-from adaloss.models import build_model
 from adaloss.numerics import get_format
 from adaloss.precision import Precision
+from adaloss.runner.models import build_model
+from adaloss.runner.utils.targets import build_scaler
 from adaloss.scalers.adaptive import AdaptiveLossScaler
 from adaloss.telemetry import UnderflowMonitor
-from adaloss.utils.targets import build_scaler
 
 FP16 = get_format("fp16")
 

@@ -3,7 +3,7 @@ get a beta of their own, telemetry names attention's products, no host sync, cle
 
 Models: a small torchvision ViT and Swin, ``nn.TransformerEncoder`` (batch first and not, with padding and
 causal masks), ``nn.Transformer`` (encoder-decoder: cross-attention), ``nn.MultiheadAttention`` calls of
-every supported kind, and a GPT-style decoder (:mod:`adaloss.labs.attention_betas`' ``TinyGPT``: causal
+every supported kind, and a GPT-style decoder (:mod:`adaloss.lab.attention_betas`' ``TinyGPT``: causal
 ``F.scaled_dot_product_attention``, a fused QKV ``nn.Linear``, the token embedding tied to the output
 projection by ``F.linear``), also with nanoGPT's tying (an ``nn.Linear`` head sharing the embedding's
 weight).
@@ -24,12 +24,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from adaloss.adaptive import AdaptiveTransformError
 from adaloss.adaptive import ops as adaptive_ops
 from adaloss.adaptive.ops import AttentionOperands
-from adaloss.labs.attention_betas.measure import underflow
-from adaloss.labs.attention_betas.model import SIZES, TinyGPT, corpus, sample_batch
+from adaloss.lab.attention_betas.measure import underflow
+from adaloss.lab.attention_betas.model import SIZES, TinyGPT, corpus, sample_batch
 from adaloss.precision import Precision
+from adaloss.runner.utils.targets import build_scaler
 from adaloss.scalers.adaptive import AdaptiveLossScaler
 from adaloss.telemetry import UnderflowMonitor
-from adaloss.utils.targets import build_scaler
 from conftest import load_script
 
 # ----------------------------------------------------------------------------------------------- models

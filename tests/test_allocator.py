@@ -1,4 +1,4 @@
-"""The CPU allocator tuning the trainer and the bench apply (:mod:`adaloss.utils.allocator`)."""
+"""The CPU allocator tuning the trainer and the bench apply (:mod:`adaloss.runner.utils.allocator`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def _run(code: str, env: dict) -> subprocess.CompletedProcess:
 def test_cpu_allocator_tuning_applies_once_and_can_be_turned_off():
     """glibc's mallopt accepts the settings (Linux); ADALOSS_TUNE_MALLOC=0 leaves malloc alone."""
     code = (
-        "from adaloss.utils.allocator import tune_cpu_allocator\n"
+        "from adaloss.runner.utils.allocator import tune_cpu_allocator\n"
         "print(tune_cpu_allocator(), tune_cpu_allocator())\n"
     )
     on = _run(code, dict(os.environ))

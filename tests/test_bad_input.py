@@ -37,10 +37,10 @@ import torch
 from hydra.errors import HydraException
 from omegaconf import open_dict
 
-from adaloss.engine import train
-from adaloss.engine.checkpoint import load_checkpoint
-from adaloss.engine.run_folder import RunLock
 from adaloss.errors import ConfigError
+from adaloss.runner.engine import train
+from adaloss.runner.engine.checkpoint import load_checkpoint
+from adaloss.runner.engine.run_folder import RunLock
 from conftest import ROOT, TINY, compose_train
 
 TIMEOUT_S = 240  # one subprocess; a bad invocation fails in seconds, a missing check trains 2 iterations

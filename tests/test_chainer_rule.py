@@ -21,9 +21,9 @@ import torch
 from torch import nn
 
 from adaloss.errors import ConfigError
+from adaloss.runner.utils.targets import build_scaler
 from adaloss.scalers import DynamicLossScaler
 from adaloss.scalers.dynamic import CHAINER_MAX_SCALE
-from adaloss.utils.targets import build_scaler
 from conftest import compose_train, load_script
 
 
@@ -265,7 +265,7 @@ def test_training_with_the_chainer_rule_follows_chainer_and_resumes_exactly(make
     """The trainer builds the rule from the config, skips the two planted overflows, follows Chainer's
     sequence, and a run resumed from the checkpoint at step 4 (after the first overflow: the slow phase)
     ends bitwise on the uninterrupted run's weights and scales."""
-    from adaloss.engine import train
+    from adaloss.runner.engine import train
 
     def record(into):
         return lambda step, model, optimizer, scaler: into.append((step, scaler.state_dict()["exact_scale"]))
@@ -303,7 +303,7 @@ def test_training_with_the_chainer_rule_follows_chainer_and_resumes_exactly(make
 def test_bad_rule_settings_fail_the_config_check_in_one_line(overrides: list[str], message: str) -> None:
     from omegaconf import open_dict
 
-    from adaloss.engine.config import validate_config
+    from adaloss.runner.engine.config import validate_config
 
     cfg = compose_train(["scaler=dynamic", *overrides])
     with open_dict(cfg):

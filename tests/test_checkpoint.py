@@ -23,13 +23,13 @@ import torch
 from omegaconf import DictConfig, open_dict
 from torch.utils.data import TensorDataset
 
-from adaloss.data.loaders import BatchStream, make_loader
-from adaloss.engine import checkpoint as ckpt
-from adaloss.engine import train
-from adaloss.engine.checkpoint import CheckpointError, CheckpointManager, load_checkpoint
-from adaloss.engine.run_folder import RunFolderError
 from adaloss.errors import ConfigError
-from adaloss.utils.seed import capture_rng_state, restore_rng_state
+from adaloss.runner.data.loaders import BatchStream, make_loader
+from adaloss.runner.engine import checkpoint as ckpt
+from adaloss.runner.engine import train
+from adaloss.runner.engine.checkpoint import CheckpointError, CheckpointManager, load_checkpoint
+from adaloss.runner.engine.run_folder import RunFolderError
+from adaloss.runner.utils.seed import capture_rng_state, restore_rng_state
 from conftest import QUIET, compose_train
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,7 +1,8 @@
-"""src/adaloss/reports/claims.py: the verdict of each of the paper's claims, read from run folders.
+"""src/adaloss/lab/reports/claims.py: the verdict of each of the paper's claims, read from run folders.
 
 Every test writes small run folders (metrics.json, scalars.csv, telemetry.jsonl) whose numbers are chosen so
-that the right verdict is known, and checks what ``python -m adaloss.reports.claims`` decides and writes."""
+that the right verdict is known, and checks what ``python -m adaloss.lab.reports.claims`` decides and
+writes."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from adaloss.reports.claims import (
+from adaloss.lab.reports.claims import (
     INCONCLUSIVE,
     NOT_REPRODUCED,
     REPRODUCED,

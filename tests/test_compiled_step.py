@@ -16,7 +16,7 @@ import torch._dynamo as dynamo
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from adaloss.bench.compiled import compile_run
+from adaloss.lab.bench.compiled import compile_run
 from adaloss.scalers.adaptive import AdaptiveLossScaler
 
 

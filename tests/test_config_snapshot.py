@@ -28,7 +28,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
-from adaloss.schemas import register
+from adaloss.runner.schemas import register
 
 ROOT = Path(__file__).resolve().parents[1]
 SNAPSHOT = ROOT / "tests" / "data" / "config_snapshot.json"

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf, open_dict
 
-from adaloss.engine import MultiStepWithWarmup
-from adaloss.engine.config import resolved_config, schedule_length, validate_config
 from adaloss.errors import ConfigError
+from adaloss.runner.engine import MultiStepWithWarmup
+from adaloss.runner.engine.config import resolved_config, schedule_length, validate_config
 from conftest import CONFIG_DIR, compose_train
 
 GROUPS = (
@@ -104,7 +104,7 @@ def test_every_option_composes_and_resolves(group: str, option: str) -> None:
     partners["scaler"] = {"custom": "scaler._target_=adaloss.scalers.NoLossScaler"}
     partners["optimizer"] = {"custom": "optimizer._target_=torch.optim.RMSprop"}
     partners["schedule"] = {"custom": "schedule._target_=torch.optim.lr_scheduler.CosineAnnealingLR"}
-    partners["logger"] = {"custom": "logger._target_=adaloss.logging.NullLogger"}
+    partners["logger"] = {"custom": "logger._target_=adaloss.runner.logging.NullLogger"}
     partner = partners.get(group, {}).get(option)
     overrides = [f"{group}={option}", *(partner.split() if partner else [])]
     cfg = compose_train(overrides, return_hydra_config=(group == "hydra"))

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from adaloss.gpucheck import compare_gradients
-from adaloss.models.cifar_resnet import cifar_resnet
+from adaloss.lab.gpucheck import compare_gradients
+from adaloss.runner.models.cifar_resnet import cifar_resnet
 from adaloss.scalers import AdaptiveLossScaler, DynamicLossScaler, FixedLossScaler, NoLossScaler
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -15,8 +15,8 @@ from PIL import Image
 from torchvision import transforms as T
 from torchvision.datasets import utils as tv_utils
 
-from adaloss.data import DATASET_NAMES, DatasetInfo, build_datasets, make_loader
 from adaloss.errors import ConfigError
+from adaloss.runner.data import DATASET_NAMES, DatasetInfo, build_datasets, make_loader
 
 DIGITS = {"name": "digits", "num_classes": 10, "image_size": 32, "test_fraction": 0.2, "split_seed": 0}
 SYNTH = {
@@ -346,7 +346,7 @@ def test_loader_rejects_a_batch_larger_than_the_training_set() -> None:
 
 
 def test_every_bundled_dataset_builder_takes_its_schema_and_has_no_defaults() -> None:
-    """The dataset schemas (adaloss.schemas) are the one place for a dataset's defaults: each bundled
+    """The dataset schemas (adaloss.runner.schemas) are the one place for a dataset's defaults: each bundled
     builder takes exactly its schema's fields (plus data_dir) and gives none of them a default of its own,
     which could drift from the schema's (and would decide library calls)."""
     import dataclasses
@@ -354,7 +354,7 @@ def test_every_bundled_dataset_builder_takes_its_schema_and_has_no_defaults() ->
 
     from hydra.utils import get_object
 
-    from adaloss.schemas import SCHEMAS
+    from adaloss.runner.schemas import SCHEMAS
 
     checked = 0
     for group, name, kind in SCHEMAS:
@@ -370,7 +370,7 @@ def test_every_bundled_dataset_builder_takes_its_schema_and_has_no_defaults() ->
 
 def test_a_schema_default_is_what_the_builder_uses(monkeypatch: pytest.MonkeyPatch) -> None:
     """A field left out of a library call gets its schema's default: change it there and the data follow."""
-    from adaloss.schemas import SyntheticConf
+    from adaloss.runner.schemas import SyntheticConf
 
     small = {"name": "synthetic", "image_size": 8, "train_size": 8, "test_size": 4}
     assert build_datasets(small, "unused")[2].channels == 3

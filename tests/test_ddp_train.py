@@ -47,7 +47,7 @@ import pytest
 import torch
 from omegaconf import open_dict
 
-from adaloss.engine import train
+from adaloss.runner.engine import train
 from conftest import ROOT, compose_train
 
 PRECISIONS = ("fp32", "fp8_e5m2")
@@ -248,8 +248,8 @@ def _log_line(log: str, step: int) -> str:
 
 
 def test_batch_size_must_divide_among_the_ranks():
-    from adaloss.data.loaders import make_loader
     from adaloss.errors import ConfigError
+    from adaloss.runner.data.loaders import make_loader
 
     data = torch.utils.data.TensorDataset(torch.arange(32.0))
     with pytest.raises(ConfigError, match="must be divisible by the number of processes"):

@@ -8,10 +8,10 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from adaloss.data import DetectionInfo, build_datasets, detection_collate
-from adaloss.data.voc import VOC_CLASSES
 from adaloss.errors import ConfigError
-from adaloss.metrics.voc_map import voc07_map
+from adaloss.runner.data import DetectionInfo, build_datasets, detection_collate
+from adaloss.runner.data.voc import VOC_CLASSES
+from adaloss.runner.metrics.voc_map import voc07_map
 
 SHAPES = {"name": "shapes", "image_size": 64, "train_size": 40, "test_size": 12, "seed": 3}
 

@@ -55,7 +55,7 @@ CASES = (
 
 
 def _model(kind: str) -> nn.Module:
-    from adaloss.models import build_model
+    from adaloss.runner.models import build_model
 
     torch.manual_seed(0)
     if kind == "gpt":
@@ -99,7 +99,7 @@ def _train(
     accum: float | None = None,
 ) -> dict:
     """Train one case on this rank's slice of every batch; returns weights, skips and per-step scales."""
-    from adaloss.utils.targets import build_scaler
+    from adaloss.runner.utils.targets import build_scaler
 
     name, kind, scaler_cfg, inject = case
     cfg = dict(scaler_cfg)

@@ -1,4 +1,4 @@
-"""The tables and figures on the pages are what ``scripts/render_docs.py`` (:mod:`adaloss.docgen`) renders
+"""The tables and figures on the pages are what ``scripts/render_docs.py`` (:mod:`adaloss.lab.docgen`) renders
 from the committed results.
 
 A result file that changes without the pages being rendered again, or a page edited by hand inside a
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from adaloss.docgen import pages
-from adaloss.docgen.stamp import stamp
+from adaloss.lab.docgen import pages
+from adaloss.lab.docgen.stamp import stamp
 from conftest import load_script
 from test_docs_blocks import ROOT
 

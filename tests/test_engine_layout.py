@@ -1,4 +1,4 @@
-"""The engine stays readable: no function in ``src/adaloss/engine/`` longer than 80 lines (docstring
+"""The engine stays readable: no function in ``src/adaloss/runner/engine/`` longer than 80 lines (docstring
 included), so each phase of a run (build, resume, loop, evaluate, finish) reads on one screen."""
 
 from __future__ import annotations

@@ -16,9 +16,9 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf, open_dict
 
-from adaloss.engine.config import resolved_config, validate_config
 from adaloss.numerics import get_format
-from adaloss.utils.targets import build_scaler
+from adaloss.runner.engine.config import resolved_config, validate_config
+from adaloss.runner.utils.targets import build_scaler
 from conftest import CONFIG_DIR, compose_train
 
 EXPERIMENT_DIR = CONFIG_DIR / "experiment"

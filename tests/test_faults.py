@@ -14,11 +14,11 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from adaloss.engine import compose, train
-from adaloss.engine.checkpoint import load_checkpoint
-from adaloss.engine.faults import TrainingDiverged, parse_faults
 from adaloss.errors import ConfigError
-from adaloss.logging import NullLogger
+from adaloss.runner.engine import compose, train
+from adaloss.runner.engine.checkpoint import load_checkpoint
+from adaloss.runner.engine.faults import TrainingDiverged, parse_faults
+from adaloss.runner.logging import NullLogger
 
 LAYER = "layer1.0.conv1"
 

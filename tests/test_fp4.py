@@ -294,7 +294,7 @@ def test_nvfp4_global_scale_is_bitwise_the_formula_rounded_once() -> None:
 
 
 def _tiny_gpt_step(precision, monitor=None) -> dict[str, torch.Tensor]:
-    from adaloss.models.gpt import GPT
+    from adaloss.runner.models.gpt import GPT
 
     torch.manual_seed(0)
     model = precision.prepare(GPT(vocab_size=40, block_size=16, n_layer=4, n_head=2, n_embd=32))
@@ -339,10 +339,10 @@ def test_nvfp4_precision_trains_fp4_layers_and_records_block_telemetry() -> None
 
 def test_nvfp4_under_the_adaptive_scaler_runs_its_gemms_in_fp4() -> None:
     # the adaptive scaler replaces each linear layer by its own GEMM node (ScaledGEMM): FP4 runs there too
-    from adaloss.models.gpt import GPT
     from adaloss.precision import Precision
+    from adaloss.runner.models.gpt import GPT
+    from adaloss.runner.utils.targets import build_scaler
     from adaloss.telemetry import UnderflowMonitor
-    from adaloss.utils.targets import build_scaler
 
     torch.manual_seed(0)
     scaler = build_scaler({"name": "adaptive"}, None)
@@ -460,7 +460,7 @@ def test_mxfp4_rceil_against_torchao_differs_only_just_above_a_power_of_two() ->
 
 
 def test_fp4_lab_cells_cross_formats_rounding_hadamard_and_scalers() -> None:
-    from adaloss.labs.fp8.fp4 import FP4_MODELS, FP4_SMOKE_CELLS, fp4_cells
+    from adaloss.lab.fp8.fp4 import FP4_MODELS, FP4_SMOKE_CELLS, fp4_cells
 
     assert FP4_MODELS == ("gpt", "resnet20")
     cells = fp4_cells()
@@ -496,9 +496,9 @@ def test_fp4_lab_smoke_runs_and_tabulates(tmp_path) -> None:
 def test_the_fp4_docs_page_shows_each_models_committed_table(model: str) -> None:
     from pathlib import Path
 
-    from adaloss.labs.fp8.cells import settings_digest
-    from adaloss.labs.fp8.fp4 import fp4_cells, fp4_table
-    from adaloss.labs.fp8.runs import read_rows
+    from adaloss.lab.fp8.cells import settings_digest
+    from adaloss.lab.fp8.fp4 import fp4_cells, fp4_table
+    from adaloss.lab.fp8.runs import read_rows
 
     root = Path(__file__).resolve().parents[1]
     rows = read_rows(root / "results" / "fp4" / f"runs_{model}.jsonl", settings_digest(model, False))
@@ -518,8 +518,8 @@ def test_train_records_fp4_block_telemetry_in_metrics_and_telemetry_log(make_ful
     # (offline) gets the same per-layer values in its table, and their extremes as scalars
     import json
 
-    from adaloss.engine import train
-    from adaloss.logging.wandb_logger import FP4_COLUMNS
+    from adaloss.runner.engine import train
+    from adaloss.runner.logging.wandb_logger import FP4_COLUMNS
     from adaloss.telemetry import FP4_KEYS
     from wandb_files import offline_runs
 
@@ -550,8 +550,8 @@ def test_train_records_fp4_block_telemetry_in_metrics_and_telemetry_log(make_ful
 def test_a_resumed_nvfp4_run_continues_the_stochastic_rounding_stream(make_full_cfg, tmp_path) -> None:
     # the checkpoint holds the SR generator's state: resumed at step 2, the run ends bitwise on the weights of
     # the uninterrupted one (a fresh generator would draw other roundings from step 3 on)
-    from adaloss.engine import train
-    from adaloss.engine.checkpoint import load_checkpoint
+    from adaloss.runner.engine import train
+    from adaloss.runner.engine.checkpoint import load_checkpoint
     from test_checkpoint import _assert_bitwise_equal, _weights
 
     run = ("model=gpt", "dataset=pystdlib", "model.n_layer=3", "model.n_head=2", "model.n_embd=32")

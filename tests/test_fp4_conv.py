@@ -83,8 +83,8 @@ def test_conv_geometry_pads_same_symmetrically_and_refuses_uneven_padding() -> N
 
 def _tiny_resnet_step(precision, scaler_name: str, monitor=None):  # noqa: ANN001, ANN202
     """One ResNet-8 step on 8x8 images: the parameters' gradients after the scaler's ``unscale_``."""
-    from adaloss.models.cifar_resnet import CifarResNet
-    from adaloss.utils.targets import build_scaler
+    from adaloss.runner.models.cifar_resnet import CifarResNet
+    from adaloss.runner.utils.targets import build_scaler
 
     torch.manual_seed(0)
     # the adaptive scaler with u_min raised to 1e-3: betas above 1 (BF16 alone would need none), and a root
@@ -104,8 +104,8 @@ def _tiny_resnet_step(precision, scaler_name: str, monitor=None):  # noqa: ANN00
 
 
 def test_resnet_convs_are_fp4_layers_by_the_block_rule() -> None:
-    from adaloss.models.cifar_resnet import CifarResNet
     from adaloss.precision import Precision
+    from adaloss.runner.models.cifar_resnet import CifarResNet
 
     precision = Precision("nvfp4", "cpu")
     precision.prepare(CifarResNet(depth=20, num_classes=10))
@@ -148,7 +148,7 @@ def test_train_resnet20_nvfp4_adaptive_records_fp4_telemetry_of_its_convs(make_f
     # python train.py model=resnet20 dataset=digits precision=nvfp4 scaler=adaptive, shrunk: the FP4 block
     # telemetry of metrics.json has the conv layers (all but the kept edge blocks and fc; the stem conv has no
     # dgrad, so no dgrad operand to probe)
-    from adaloss.engine import train
+    from adaloss.runner.engine import train
 
     fp4 = ("precision=nvfp4", "precision.stochastic_rounding=true", "precision.hadamard=true")
     run = ("model=resnet20", "dataset=digits", "dataset.image_size=8", *fp4, "scaler=adaptive")

@@ -1,4 +1,4 @@
-"""The FP8 lab (:mod:`adaloss.labs.fp8`, ``scripts/fp8_lab.py``): the confidence-interval arithmetic of its
+"""The FP8 lab (:mod:`adaloss.lab.fp8`, ``scripts/fp8_lab.py``): the confidence-interval arithmetic of its
 table on hand-made runs, the entry point's ``--smoke`` mode end to end (table, CSV, JSON, figures; a second
 call resumes and runs nothing), the refusal of a runs file made with other settings, and the docs page
 showing the committed table."""
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from adaloss.labs.fp8 import cells, stats, tables
-from adaloss.labs.fp8 import runs as fp8_runs
+from adaloss.lab.fp8 import cells, stats, tables
+from adaloss.lab.fp8 import runs as fp8_runs
 from conftest import ROOT, load_script
 
 

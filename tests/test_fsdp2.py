@@ -35,11 +35,11 @@ KINDS = ("gpt", "resnet20")
 
 
 def _model(kind: str) -> nn.Module:
-    from adaloss.models import build_model
+    from adaloss.runner.models import build_model
 
     torch.manual_seed(0)
     if kind == "gpt":
-        from adaloss.models.gpt import GPT
+        from adaloss.runner.models.gpt import GPT
 
         return GPT(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16).double()
     return build_model(OmegaConf.create({"name": "resnet20"}), 10, (3, 8, 8)).double().eval()
@@ -84,7 +84,7 @@ def _train(kind: str, rank: int, strategy: str) -> dict:
 
 def _steps(kind: str, rank: int, strategy: str) -> dict:
     from adaloss.distributed import DistInfo
-    from adaloss.utils.targets import build_scaler
+    from adaloss.runner.utils.targets import build_scaler
     from sync_trap import no_host_sync
 
     scaler = build_scaler(OmegaConf.create({"name": "adaptive", "update_every": 2, "rule": "paper"}), None)

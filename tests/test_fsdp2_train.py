@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from adaloss.engine import train
 from adaloss.errors import ConfigError
+from adaloss.runner.engine import train
 from conftest import compose_train
 from test_ddp_train import _launch, _log_line
 
@@ -123,7 +123,7 @@ def test_fsdp2_needs_torchrun(tmp_path):
 
 def test_a_checkpoint_resumes_under_its_own_strategy():
     from adaloss.distributed import DistInfo
-    from adaloss.engine.checkpoint import CheckpointParts
+    from adaloss.runner.engine.checkpoint import CheckpointParts
 
     parts = CheckpointParts({}, None, None, None, None, None, None, None, None, DistInfo(), sharded=False)
     with pytest.raises(ConfigError, match="written with distributed.strategy=fsdp2 but this run uses ddp"):

@@ -22,9 +22,9 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from adaloss.models import build_detector, build_model
 from adaloss.precision import Precision
-from adaloss.utils.targets import build_scaler
+from adaloss.runner.models import build_detector, build_model
+from adaloss.runner.utils.targets import build_scaler
 from sync_trap import HostSyncError, no_host_sync, trapped_steps
 
 SCALERS = {
@@ -280,7 +280,7 @@ def test_no_sync_on_cuda_with_the_sync_debug_mode():
 
 def test_trainer_runs_real_autocast_on_the_cpu(make_cfg):
     """``precision.backend=autocast device=cpu``: the trainer's GPU path with real FP16 tensors."""
-    from adaloss.engine import train
+    from adaloss.runner.engine import train
 
     metrics = train(make_cfg("precision.backend=autocast", "scaler=adaptive", "model=mlp"))
     assert metrics["steps"] == 2 and metrics["skipped_steps"] == 0

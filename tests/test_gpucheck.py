@@ -1,4 +1,4 @@
-"""``make gpu-check`` (:mod:`adaloss.gpucheck`): without CUDA one line and exit 0; its measurements, run
+"""``make gpu-check`` (:mod:`adaloss.lab.gpucheck`): without CUDA one line and exit 0; its measurements, run
 here on the CPU with host timers, give the ratios and gradient comparisons it records on a GPU."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-import adaloss.gpucheck as gpucheck
-from adaloss.gpucheck import CONFIGS, WARM_RUNS, compare_gradients, step_ratios, time_modes, time_steps
+import adaloss.lab.gpucheck as gpucheck
+from adaloss.lab.gpucheck import CONFIGS, WARM_RUNS, compare_gradients, step_ratios, time_modes, time_steps
 from conftest import ROOT
 
 
@@ -57,7 +57,7 @@ def test_autocast_gradients_are_compared_with_fp32() -> None:
 
 def test_a_part_that_raises_is_recorded_and_the_others_still_measured(monkeypatch, tmp_path, capsys) -> None:
     """On a user's GPU one broken part (an API their older torch lacks, say) must not cost the rest."""
-    import adaloss.gpucheck as gpucheck
+    import adaloss.lab.gpucheck as gpucheck
 
     def broken(device: str, dtype: torch.dtype) -> dict:
         raise AttributeError("module 'torch' has no attribute 'something_new'")
@@ -126,7 +126,7 @@ def test_the_gpu_timing_records_each_compiled_mode_beside_the_eager_steps(tiny_t
     """``make gpu-check``'s timing of one model with compiled modes (on CUDA: Inductor, default and
     reduce-overhead; here aot_eager on the CPU, the same code path without CUDA graphs): the eager entry
     as before, each mode's ratios and compile counts, the tables of the check and of the docs page."""
-    from adaloss.docgen.regions import _gpu_compiled_rows
+    from adaloss.lab.docgen.regions import _gpu_compiled_rows
 
     tiny_timed_model()
     modes = ("default", "reduce-overhead")
@@ -159,7 +159,7 @@ def test_a_compiled_mode_that_fails_is_recorded_and_the_eager_steps_still_measur
 ) -> None:
     """A compile failure in one mode (a backend that raises, here) is one recorded error, not a lost
     model: the eager steps keep their times and ratios, the check fails, and the tables say why."""
-    from adaloss.docgen.regions import _gpu_compiled_rows
+    from adaloss.lab.docgen.regions import _gpu_compiled_rows
 
     def broken(graph, example_inputs):
         raise RuntimeError("this backend cannot compile")

@@ -235,7 +235,7 @@ def test_a_short_run_trains_with_telemetry_named_after_the_transformers_modules(
     """``python train.py model=hf_gpt2 dataset=pystdlib scaler=adaptive``: the bundled config, the vocabulary
     and context of the data, emulated FP16, the per-layer telemetry and scales under the modules' names.
     ``model=hf_bert``: BertForMaskedLM with the data's vocabulary plus [MASK], trained as a masked LM."""
-    from adaloss.engine import train
+    from adaloss.runner.engine import train
 
     metrics = train(make_full_cfg(f"model={model}", *HF_RUN))
     assert metrics["steps"] == 3 and not metrics["diverged"] and metrics["val_loss"] < 6.0
@@ -247,7 +247,7 @@ def test_bert_masking_is_seeded_and_follows_bert():
     """``mask_tokens``: the same generator seed gives the same masking, another seed another, and a window's
     masking does not depend on how the windows are batched; 15% of the positions of every window are
     chosen, of those about 80% [MASK], 10% a random data token and 10% unchanged; labels elsewhere -100."""
-    from adaloss.engine.tasks import IGNORE, mask_tokens
+    from adaloss.runner.engine.tasks import IGNORE, mask_tokens
 
     x = torch.randint(0, 256, (256, 64), generator=torch.Generator().manual_seed(0))
 
@@ -284,9 +284,9 @@ def test_the_masked_loss_counts_only_the_masked_positions():
     """The task's loss is the cross-entropy at the masked positions alone (a loss over every position
     would be about 15% of it here: the copying model is right wherever nothing was masked), and the
     validation loss uses the same masking at every evaluation, whatever the batch size."""
-    from adaloss.data.text import TextInfo
-    from adaloss.engine.tasks import LanguageModelTask, mask_tokens
     from adaloss.precision import Precision
+    from adaloss.runner.data.text import TextInfo
+    from adaloss.runner.engine.tasks import LanguageModelTask, mask_tokens
 
     info = TextInfo("text", 256, 0, 0, 10, 10, vocab_size=256, block_size=32)
     model = _Copier(257)
@@ -316,7 +316,7 @@ def test_the_masked_loss_counts_only_the_masked_positions():
 
 def test_the_runner_says_what_is_missing(monkeypatch):
     from adaloss.errors import ConfigError
-    from adaloss.models import build_model
+    from adaloss.runner.models import build_model
 
     with pytest.raises(ConfigError, match="neither a bundled transformers config .*gpt2_tiny.json"):
         build_model({"name": "hf_gpt2", "config": "gpt3.json"}, vocab_size=256, block_size=16)
@@ -537,7 +537,7 @@ def test_a_resumed_bert_run_draws_the_masks_it_would_have_drawn(make_full_cfg, t
     """The training masks come from torch's default generator, whose state the checkpoint holds: resumed
     at step 2, a masked-LM run ends bitwise on the weights of the uninterrupted one (a generator of the
     task's own, not in the checkpoint, would mask steps 3 and 4 otherwise)."""
-    from adaloss.engine import train
+    from adaloss.runner.engine import train
     from test_checkpoint import _assert_bitwise_equal, _weights
 
     run = ("model=hf_bert", *HF_RUN[:-3], "trainer.max_steps=4", "trainer.eval_every=4")

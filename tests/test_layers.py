@@ -52,18 +52,26 @@ def test_the_contracts_hold_on_the_sources(copy: Path) -> None:
 
 
 def test_an_import_from_the_library_into_the_runner_breaks_the_layers(copy: Path) -> None:
-    plant(copy, "scalers/base.py", "from adaloss.schemas import typed  # planted")
+    plant(copy, "scalers/base.py", "from adaloss.runner.schemas import typed  # planted")
     proc = lint_imports(copy)
     assert proc.returncode == 1, proc.stdout[-3000:]
     assert "lab -> runner -> library, never upwards BROKEN" in proc.stdout
-    assert "adaloss.scalers.base -> adaloss.schemas" in proc.stdout
+    assert "adaloss.scalers.base -> adaloss.runner.schemas" in proc.stdout
 
 
 def test_an_import_from_the_runner_into_the_lab_breaks_the_layers(copy: Path) -> None:
-    plant(copy, "engine/optim.py", "import adaloss.reports.tables  # planted")
+    plant(copy, "runner/engine/optim.py", "import adaloss.lab.reports.tables  # planted")
     proc = lint_imports(copy)
     assert proc.returncode == 1, proc.stdout[-3000:]
-    assert "adaloss.engine.optim -> adaloss.reports.tables" in proc.stdout
+    assert "adaloss.runner.engine.optim -> adaloss.lab.reports.tables" in proc.stdout
+
+
+def test_an_integration_that_reaches_into_the_runner_breaks_the_layers(copy: Path) -> None:
+    """The trainers' adapters sit on the library: an engineer installs them without the runner."""
+    plant(copy, "integrations/timm.py", "import adaloss.runner.engine.optim  # planted")
+    proc = lint_imports(copy)
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    assert "adaloss.integrations.timm -> adaloss.runner.engine.optim" in proc.stdout
 
 
 def test_a_runner_package_imported_by_the_library_breaks_its_contract(copy: Path) -> None:
@@ -77,7 +85,9 @@ def test_a_runner_package_imported_by_the_library_breaks_its_contract(copy: Path
 def test_an_import_circle_between_siblings_breaks_the_acyclic_contract(copy: Path) -> None:
     """The checkpoint and the run folder once imported each other (inside functions, to dodge the circle)."""
     plant(
-        copy, "engine/run_folder.py", "def _planted():\n    from adaloss.engine.checkpoint import save_atomic"
+        copy,
+        "runner/engine/run_folder.py",
+        "def _planted():\n    from adaloss.runner.engine.checkpoint import save_atomic",
     )
     proc = lint_imports(copy)
     assert proc.returncode == 1, proc.stdout[-3000:]

@@ -14,12 +14,12 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 
-from adaloss.data import build_datasets, make_loader
-from adaloss.engine import train
-from adaloss.engine.tasks import LanguageModelTask
 from adaloss.errors import ConfigError
-from adaloss.models import GPT
 from adaloss.precision import Precision
+from adaloss.runner.data import build_datasets, make_loader
+from adaloss.runner.engine import train
+from adaloss.runner.engine.tasks import LanguageModelTask
+from adaloss.runner.models import GPT
 
 #: A GPT small enough to train for a test in seconds, on short windows of the real corpus.
 SMALL_GPT = (

@@ -1,4 +1,4 @@
-"""``scripts/lm_underflow.py`` (:mod:`adaloss.labs.underflow.lm_cli`; docs/language-models.md's table) at
+"""``scripts/lm_underflow.py`` (:mod:`adaloss.lab.underflow.lm_cli`; docs/language-models.md's table) at
 tiny settings: it runs, its table has a row per regime, gradient format and kind of layer and a column per
 scaler, and without scaling more of attention's and the MLP's input gradients underflow in FP16 at
 initialization than with the adaptive scaler."""
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from adaloss.labs.underflow import lm
+from adaloss.lab.underflow import lm
 from conftest import load_script
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"

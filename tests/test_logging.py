@@ -24,12 +24,12 @@ from typing import Any
 import pytest
 from omegaconf import DictConfig, OmegaConf
 
-from adaloss.engine import train
-from adaloss.engine.tasks import ClassificationTask
 from adaloss.errors import ConfigError
-from adaloss.logging import NullLogger, WandbLogger, build_logger, write_json_atomic
-from adaloss.logging.progress import format_scale
-from adaloss.logging.wandb_logger import underflow_heatmap
+from adaloss.runner.engine import train
+from adaloss.runner.engine.tasks import ClassificationTask
+from adaloss.runner.logging import NullLogger, WandbLogger, build_logger, write_json_atomic
+from adaloss.runner.logging.progress import format_scale
+from adaloss.runner.logging.wandb_logger import underflow_heatmap
 from adaloss.telemetry import UnderflowMonitor
 from wandb_files import offline_runs
 
@@ -221,7 +221,7 @@ def test_detection_logs_the_ap_of_each_class(
     make_full_cfg: Callable[..., DictConfig], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     recorder = _Recorder()
-    monkeypatch.setattr("adaloss.engine.compose.build_logger", lambda *args, **kwargs: recorder)
+    monkeypatch.setattr("adaloss.runner.engine.compose.build_logger", lambda *args, **kwargs: recorder)
     det = ("model=ssd512", "dataset=shapes", "model.image_size=64", "model.width_multiplier=0.125")
     small = (
         "dataset.train_size=4",

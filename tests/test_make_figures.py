@@ -1,4 +1,4 @@
-"""``adaloss.reports.figures`` (``scripts/make_figures.py``) on synthetic run folders (``metrics.json``,
+"""``adaloss.lab.reports.figures`` (``scripts/make_figures.py``) on synthetic run folders (``metrics.json``,
 ``telemetry.jsonl``).
 
 The data each figure plots is checked through the module's extraction functions (``fig1a_data`` ...), the
@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from adaloss.reports import figures as mf
+from adaloss.lab.reports import figures as mf
 
 #: SSD512's GEMM layers as the trainer names them (network order).
 SSD_LAYERS = [
@@ -603,7 +603,7 @@ def _train(run_dir: Path, experiment: str, *overrides: str) -> None:
     """One job of ``experiment``, composed as ``train.py`` does and trained in-process into ``run_dir``."""
     from omegaconf import open_dict
 
-    from adaloss.engine import train
+    from adaloss.runner.engine import train
     from conftest import compose_train
 
     cfg = compose_train([f"experiment={experiment}", *overrides])

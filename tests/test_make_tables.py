@@ -1,4 +1,4 @@
-"""``adaloss.reports.tables`` (``scripts/make_tables.py``): a golden-file test on a committed sample of
+"""``adaloss.lab.reports.tables`` (``scripts/make_tables.py``): a golden-file test on a committed sample of
 runs, and the rules it applies.
 
 The sample (``tests/data/tables/runs/``, written once by ``tests/data/tables/make_sample_runs.py``) is a few
@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from adaloss.reports import tables as mt
+from adaloss.lab.reports import tables as mt
 from conftest import ROOT, TINY
 
 DATA = ROOT / "tests" / "data" / "tables"
@@ -268,8 +268,8 @@ def test_a_crashed_run_without_metrics_json_is_never_counted(tmp_path: Path) -> 
 def test_a_run_without_the_done_marker_is_never_counted(tmp_path: Path) -> None:
     """``metrics.json`` alone is not a finished run: the trainer writes ``done`` after it (a run killed
     between the two, or a record copied without its marker, is listed as unfinished, not tabulated)."""
-    from adaloss.engine.run_folder import DONE_FILE
-    from adaloss.reports.runs import DONE_FILE as READ_MARKER
+    from adaloss.lab.reports.runs import DONE_FILE as READ_MARKER
+    from adaloss.runner.engine.run_folder import DONE_FILE
 
     assert READ_MARKER == DONE_FILE  # the readers look for the file the trainer writes
     sweep = tmp_path / "sweep"

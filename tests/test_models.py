@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from adaloss.errors import ConfigError
-from adaloss.models import MLP, CifarResNet, ShortcutA, VGGNoBN, build_model, model_names
+from adaloss.runner.models import MLP, CifarResNet, ShortcutA, VGGNoBN, build_model, model_names
 
 #: The convolutional and MLP image classifiers (the paper's kind of model).
 MODEL_NAMES = tuple(n for n in model_names("classification") if n != "vit")

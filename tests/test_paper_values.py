@@ -104,10 +104,10 @@ def _published_in_make_tables() -> dict[str, dict[tuple, dict[Any, Any]]]:
     """``{table name: {row key: {column key: published value}}}`` as ``make tables`` uses them.
 
     The one place that knows where make_tables keeps them (today: each ``TableSpec.paper`` of
-    ``adaloss.reports.tables.TABLES``, which ``scripts/make_tables.py`` runs); when that code
+    ``adaloss.lab.reports.tables.TABLES``, which ``scripts/make_tables.py`` runs); when that code
     moves, only this function changes.
     """
-    from adaloss.reports.tables import TABLES
+    from adaloss.lab.reports.tables import TABLES
 
     return {table.name: table.paper for table in TABLES}
 

@@ -1,4 +1,4 @@
-"""``adaloss.provenance``: the ``provenance`` block of ``metrics.json`` says which code, packages,
+"""``adaloss.runner.provenance``: the ``provenance`` block of ``metrics.json`` says which code, packages,
 hardware and numerics settings produced a run, and says plainly when it cannot tell (no checkout, no git)."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import torch
 import torchvision
 from omegaconf import DictConfig
 
-from adaloss.engine import train
 from adaloss.precision import Precision
-from adaloss.provenance import collect_provenance, cpu_name, git_state
+from adaloss.runner.engine import train
+from adaloss.runner.provenance import collect_provenance, cpu_name, git_state
 from conftest import ROOT
 
 needs_git = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")

@@ -31,7 +31,6 @@ import pytest
 import torch
 from omegaconf import DictConfig
 
-from adaloss.engine import train
 from adaloss.errors import ConfigError
 from adaloss.numerics.emulation import EmulatedAutocast, Probe
 from adaloss.numerics.formats import get_format
@@ -49,6 +48,7 @@ from adaloss.numerics.quantizers import (
     recipe_from_config,
 )
 from adaloss.precision import Precision
+from adaloss.runner.engine import train
 from adaloss.telemetry import COUNTERFACTUAL_RECIPES, STORAGE_KEYS, UnderflowMonitor
 
 E4M3, E5M2 = get_format("fp8_e4m3"), get_format("fp8_e5m2")

@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 
-from adaloss.reports import figures as mf
-from adaloss.reports import tables as mt
-from adaloss.reports.runs import read_records
-from adaloss.reports.sweeps import summarize, sweeps_markdown
+from adaloss.lab.reports import figures as mf
+from adaloss.lab.reports import tables as mt
+from adaloss.lab.reports.runs import read_records
+from adaloss.lab.reports.sweeps import summarize, sweeps_markdown
 from conftest import ROOT, TINY
 from wandb_files import offline_runs
 

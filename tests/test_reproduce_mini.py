@@ -17,7 +17,7 @@ from conftest import CONFIG_DIR, ROOT, compose_train
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import reproduce_mini  # noqa: E402
-from adaloss.engine.config import validate_config  # noqa: E402
+from adaloss.runner.engine.config import validate_config  # noqa: E402
 
 
 def test_every_experiment_has_a_mini_launch() -> None:

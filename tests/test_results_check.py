@@ -1,4 +1,4 @@
-"""``make results-check`` (``adaloss.results_check``): a rerun equal to the committed numbers passes,
+"""``make results-check`` (``adaloss.lab.results_check``): a rerun equal to the committed numbers passes,
 a changed committed number or a planted change of behaviour fails naming the result and its command, every
 result folder is covered, and the kernel path is recorded."""
 
@@ -16,11 +16,11 @@ import pytest
 import torch
 from torch import nn
 
-from adaloss.provenance import KERNEL_CAPS, cpu_vendor, kernel_key, kernel_path, pin_kernel_path
-from adaloss.results_check import cli
-from adaloss.results_check.compare import judge, read_record
-from adaloss.results_check.reruns import rerun
-from adaloss.results_check.samples import FAMILIES, SAMPLES, committed
+from adaloss.lab.results_check import cli
+from adaloss.lab.results_check.compare import judge, read_record
+from adaloss.lab.results_check.reruns import rerun
+from adaloss.lab.results_check.samples import FAMILIES, SAMPLES, committed
+from adaloss.runner.provenance import KERNEL_CAPS, cpu_vendor, kernel_key, kernel_path, pin_kernel_path
 from conftest import ROOT
 
 FP8_GPT = next(s for s in SAMPLES if (s.family, s.name) == ("fp8", "gpt fp32 seed 0"))
@@ -129,7 +129,7 @@ def test_the_kernel_path_names_the_caps_and_pinning_sets_them(tmp_path: Path) ->
     env = {k: v for k, v in os.environ.items() if k not in KERNEL_CAPS}
     assert pin_kernel_path(env) == KERNEL_CAPS and env["ATEN_CPU_CAPABILITY"] == "avx2"
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"))
-    code = "import json; from adaloss.provenance import kernel_path; print(json.dumps(kernel_path()))"
+    code = "import json; from adaloss.runner.provenance import kernel_path; print(json.dumps(kernel_path()))"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     path = json.loads(out.stdout)
     assert path["torch_cpu_capability"] == "AVX2" and path["onednn_max_cpu_isa"] == "AVX2"

@@ -12,10 +12,10 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from adaloss.errors import ConfigError
-from adaloss.models import build_model
 from adaloss.precision import Precision
+from adaloss.runner.models import build_model
+from adaloss.runner.utils.targets import build_scaler
 from adaloss.scalers.adaptive import AdaptiveLossScaler
-from adaloss.utils.targets import build_scaler
 
 ROOTS = ("fixed", "dynamic", "adaptive")
 
@@ -229,7 +229,7 @@ def test_the_config_key_builds_each_root_and_rejects_others():
     assert build_scaler(OmegaConf.create({"name": "adaptive"}), None).root == "fixed"  # the paper's
     with pytest.raises(ConfigError, match=r"scaler.root must be one of fixed, dynamic, adaptive"):
         build_scaler(OmegaConf.create({"name": "adaptive", "root": "auto"}), None)
-    from adaloss.schemas import AdaptiveScalerConf  # the default lives in the schema, once
+    from adaloss.runner.schemas import AdaptiveScalerConf  # the default lives in the schema, once
 
     assert AdaptiveScalerConf.root == "fixed"
 

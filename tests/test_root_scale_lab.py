@@ -1,4 +1,4 @@
-"""The root-scale lab (:mod:`adaloss.labs.root_scale`, ``scripts/root_scale.py``): its t-intervals, the
+"""The root-scale lab (:mod:`adaloss.lab.root_scale`, ``scripts/root_scale.py``): its t-intervals, the
 entry point rebuilding the committed tables from the committed JSON, one tiny run of every root end to end,
 and bad input as one ``error:`` line."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from adaloss.labs.root_scale import tables, tasks
+from adaloss.lab.root_scale import tables, tasks
 from conftest import ROOT, load_script
 
 

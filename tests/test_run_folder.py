@@ -22,10 +22,10 @@ import pytest
 import yaml
 from omegaconf import DictConfig
 
-from adaloss.engine import run_folder, train
-from adaloss.engine import trainer as trainer_module
-from adaloss.engine.run_folder import LOCK_FILE, RunFolderBusy, RunLock
 from adaloss.errors import ConfigError
+from adaloss.runner.engine import run_folder, train
+from adaloss.runner.engine import trainer as trainer_module
+from adaloss.runner.engine.run_folder import LOCK_FILE, RunFolderBusy, RunLock
 from conftest import slow_train_command
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from omegaconf import DictConfig
 
-from adaloss.engine import train
-from adaloss.logging.progress import MIN_BAR, ProgressBar
+from adaloss.runner.engine import train
+from adaloss.runner.logging.progress import MIN_BAR, ProgressBar
 
 ROOT = Path(__file__).resolve().parents[1]
 

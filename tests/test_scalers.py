@@ -13,15 +13,15 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from adaloss.engine.config import validate_config
 from adaloss.errors import ConfigError
+from adaloss.runner.engine.config import validate_config
+from adaloss.runner.utils.targets import build_scaler
 from adaloss.scalers import (
     DynamicLossScaler,
     FixedLossScaler,
     LossScaler,
     NoLossScaler,
 )
-from adaloss.utils.targets import build_scaler
 from conftest import compose_train
 
 INF, NAN = float("inf"), float("nan")

@@ -1,4 +1,4 @@
-"""The typed configs (src/adaloss/schemas.py) and the one way every part is built.
+"""The typed configs (src/adaloss/runner/schemas.py) and the one way every part is built.
 
 * Every group and section rejects a wrong type, an out-of-range value and an unknown key with one line that
   names the key (and, for a value, an example): a type is refused by OmegaConf while Hydra composes (the
@@ -21,12 +21,12 @@ import torch
 from hydra.errors import HydraException
 from omegaconf import open_dict
 
-from adaloss.data import DatasetInfo, TensorImageDataset
-from adaloss.engine import train
-from adaloss.engine.config import validate_config
 from adaloss.errors import ConfigError
-from adaloss.logging import NullLogger
 from adaloss.precision import Precision
+from adaloss.runner.data import DatasetInfo, TensorImageDataset
+from adaloss.runner.engine import train
+from adaloss.runner.engine.config import validate_config
+from adaloss.runner.logging import NullLogger
 from adaloss.scalers import FixedLossScaler
 from conftest import ROOT, TINY, compose_train
 
@@ -244,7 +244,7 @@ def test_every_option_starts_from_its_schema() -> None:
 
 def test_the_schema_holds_the_defaults() -> None:
     """configs/scaler/adaptive.yaml sets no value; the composed config has the schema's."""
-    from adaloss.schemas import AdaptiveScalerConf
+    from adaloss.runner.schemas import AdaptiveScalerConf
 
     cfg = compose_train(["scaler=adaptive", "dataset=digits"])
     assert cfg.scaler.t_uf == AdaptiveScalerConf.t_uf and cfg.scaler.growth_interval == 2000

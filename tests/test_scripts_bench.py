@@ -1,4 +1,5 @@
-"""Smoke tests of the bench (:mod:`adaloss.bench`, ``scripts/bench.py``) and ``scripts/underflow_table.py``,
+"""Smoke tests of the bench (:mod:`adaloss.lab.bench`, ``scripts/bench.py``) and
+``scripts/underflow_table.py``,
 imported as modules, tiny settings.
 
 The scripts' numbers are only meaningful from the full runs; these tests check the plumbing: every ratio key
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from adaloss.bench import cli, opcounts, specs, stats, timing
+from adaloss.lab.bench import cli, opcounts, specs, stats, timing
 from conftest import ROOT, load_script
 
 #: The ratios bench.py must report for every model, spelled out here so a renamed key fails the test.
@@ -458,8 +459,8 @@ def _rows(printed: str) -> list[list[str]]:
 
 
 def test_the_host_bound_bench_prints_the_ratios_to_dynamic(capsys) -> None:
-    """``python -m adaloss.bench.hostbound --backend none``: the eager columns alone, on ResNet-20."""
-    from adaloss.bench import hostbound
+    """``python -m adaloss.lab.bench.hostbound --backend none``: the eager columns alone, on ResNet-20."""
+    from adaloss.lab.bench import hostbound
 
     assert hostbound.main(["--rounds", "1", "--backend", "none"]) == 0
     printed = capsys.readouterr().out
@@ -473,7 +474,7 @@ def test_the_host_bound_bench_prints_eager_and_compiled_side_by_side(capsys, tin
     """With a backend the eager and the compiled steps take turns in the same rounds; the compiled
     columns' ratios are the compiled steps' own, against issue 34's goals, and what Dynamo made is said:
     here aot_eager on a tiny model, which compiles in seconds (Inductor on ResNet-20: minutes)."""
-    from adaloss.bench import hostbound
+    from adaloss.lab.bench import hostbound
 
     tiny_timed_model()
     result = hostbound.measure(rounds=2, backend="aot_eager")
@@ -503,7 +504,7 @@ def test_the_host_bound_bench_prints_eager_and_compiled_side_by_side(capsys, tin
 def test_bench_host_bound_section(tmp_path: Path, capsys, tiny_timed_model, monkeypatch) -> None:
     """``--hostbound only`` writes the host-bound step's table alone (``results/bench/hostbound.json`` by
     default), which the performance page's bench region renders like the others."""
-    from adaloss.docgen import regions
+    from adaloss.lab.docgen import regions
 
     tiny_timed_model()
     out = tmp_path / "results" / "bench" / "hostbound.json"

@@ -24,8 +24,8 @@ import pytest
 import torch
 from omegaconf import DictConfig
 
-from adaloss.engine import train
-from adaloss.engine.signals import RunInterrupted
+from adaloss.runner.engine import train
+from adaloss.runner.engine.signals import RunInterrupted
 from conftest import slow_train_command
 
 ROOT = Path(__file__).resolve().parents[1]

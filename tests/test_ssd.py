@@ -8,8 +8,8 @@ import torch
 import torch.fx as fx
 
 from adaloss.errors import ConfigError
-from adaloss.models import build_detector, build_model
-from adaloss.models.ssd import (
+from adaloss.runner.models import build_detector, build_model
+from adaloss.runner.models.ssd import (
     SSD_CONFIGS,
     VGG_LAYER_NAMES,
     SSDBackbone,

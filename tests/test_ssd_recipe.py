@@ -14,10 +14,10 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from adaloss.engine.optim import build_optimizer, build_schedule, is_bias, parameter_groups
 from adaloss.errors import ConfigError
-from adaloss.models import build_model
-from adaloss.schemas import check_config
+from adaloss.runner.engine.optim import build_optimizer, build_schedule, is_bias, parameter_groups
+from adaloss.runner.models import build_model
+from adaloss.runner.schemas import check_config
 from conftest import compose_train
 
 VOC = ("dataset=voc", "model=ssd512", "model.width_multiplier=0.125", "model.image_size=128")
@@ -104,7 +104,7 @@ def _train_sgd(bias_lr_factor: float, grad_factor: float, nesterov: bool) -> lis
     )  # fmt: skip
     optimizer = build_optimizer(opt, model)
     sched = OmegaConf.create(
-        {"_target_": "adaloss.engine.optim.multistep", "_partial_": True, "milestones": [0.5, 0.75],
+        {"_target_": "adaloss.runner.engine.optim.multistep", "_partial_": True, "milestones": [0.5, 0.75],
          "warmup_fraction": 0.2, "warmup_factor": 0.1, "warmup_unless_batch_size": 32, "batch_size": 8}
     )  # fmt: skip
     schedule = build_schedule(sched, optimizer, 20)
@@ -170,7 +170,7 @@ def test_a_bias_factor_needs_an_lr_and_a_batch_condition_needs_the_batch() -> No
     with pytest.raises(ConfigError, match="optimizer.bias_lr_factor multiplies optimizer.lr"):
         parameter_groups(model, 0.0, True, bias_lr_factor=2.0, lr=None)
     sched = OmegaConf.create(
-        {"_target_": "adaloss.engine.optim.multistep", "_partial_": True, "milestones": [0.5],
+        {"_target_": "adaloss.runner.engine.optim.multistep", "_partial_": True, "milestones": [0.5],
          "warmup_unless_batch_size": 32}
     )  # fmt: skip
     with pytest.raises(ConfigError, match="schedule.warmup_unless_batch_size needs the run's batch size"):

@@ -12,11 +12,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from adaloss.engine import train
-from adaloss.engine.optim import WarmupCosine, build_optimizer, parameter_groups
-from adaloss.engine.tasks import ClassificationTask
 from adaloss.errors import ConfigError
-from adaloss.models import GPT, build_model, bundled_model, model_names
+from adaloss.runner.engine import train
+from adaloss.runner.engine.optim import WarmupCosine, build_optimizer, parameter_groups
+from adaloss.runner.engine.tasks import ClassificationTask
+from adaloss.runner.models import GPT, build_model, bundled_model, model_names
 from conftest import CONFIG_DIR, compose_train
 
 

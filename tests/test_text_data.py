@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from adaloss.data import build_datasets, make_loader
-from adaloss.data.text import TokenWindows, pystdlib_files
 from adaloss.errors import ConfigError
+from adaloss.runner.data import build_datasets, make_loader
+from adaloss.runner.data.text import TokenWindows, pystdlib_files
 from conftest import ROOT
 
 

@@ -15,9 +15,9 @@ import torch
 from omegaconf import DictConfig, open_dict
 from torch import nn
 
-from adaloss.engine import train
-from adaloss.engine.faults import TrainingDiverged
 from adaloss.errors import ConfigError
+from adaloss.runner.engine import train
+from adaloss.runner.engine.faults import TrainingDiverged
 
 MODELS = ("resnet20", "resnet56", "resnet110", "mlp", "vgg_nobn", "resnet18", "resnet50")
 SCALERS = ("none", "fixed", "dynamic", "adaptive")
@@ -135,8 +135,8 @@ class _OptimizerSpy:
     groups: list[list[dict]] = field(default_factory=list)
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> _OptimizerSpy:
-        from adaloss.engine import compose
-        from adaloss.engine.optim import build_optimizer
+        from adaloss.runner.engine import compose
+        from adaloss.runner.engine.optim import build_optimizer
 
         def build(cfg: DictConfig, model: nn.Module) -> torch.optim.Optimizer:
             self.model, self.optimizer = model, build_optimizer(cfg, model)
@@ -228,7 +228,7 @@ def _stand_in_data(real: Callable) -> Callable:
     images (shapes for VOC) under the real dataset's name and class count, enough for one batch."""
     from dataclasses import replace
 
-    from adaloss.data.voc import VOC_CLASSES
+    from adaloss.runner.data.voc import VOC_CLASSES
 
     def build(cfg: DictConfig, data_dir: str) -> tuple:
         name = str(cfg.name)
@@ -253,7 +253,7 @@ def test_the_trainer_builds_each_recipes_optimizer(
 ) -> None:
     """The optimizer the trainer steps with, read at its first ``optimizer.step``: SGD over every parameter of
     the trained model, with the recipe's momentum, weight decay, nesterov and learning rate."""
-    from adaloss.engine import compose
+    from adaloss.runner.engine import compose
 
     monkeypatch.setattr(compose, "build_datasets", _stand_in_data(compose.build_datasets))
     max_norms: list[float] = []
@@ -524,7 +524,7 @@ def test_checkpoints_default_to_every_evaluation_and_save_final_writes_the_weigh
 ) -> None:
     import torch
 
-    from adaloss.engine.checkpoint import load_checkpoint
+    from adaloss.runner.engine.checkpoint import load_checkpoint
 
     metrics = train(make_cfg("trainer.max_steps=5", "trainer.eval_every=2", "trainer.save_final=true"))
     # trainer.checkpoint_every defaults to trainer.eval_every; none after the last iteration; keep 2

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from omegaconf import DictConfig, open_dict
 
-from adaloss.engine import train
 from adaloss.errors import ConfigError
+from adaloss.runner.engine import train
 from test_detection_data import VOC_IMAGES, make_voc
 
 #: SSD512 at 64x64 on 8 shapes images, 2 iterations of batch 4, one evaluation on 4 images.

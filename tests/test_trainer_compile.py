@@ -1,4 +1,5 @@
-"""``trainer.compile=true``: the runner trains through ``torch.compile`` (:mod:`adaloss.engine.compiling`).
+"""``trainer.compile=true``: the runner trains through ``torch.compile``
+(:mod:`adaloss.runner.engine.compiling`).
 
 A compiled FP32 run on digits trains, logs the first compiled step's time once and records the compile
 settings in ``metrics.json``; its checkpoints hold the keys of an uncompiled run, so a compiled run resumes
@@ -26,9 +27,9 @@ import torch
 import torch._dynamo as dynamo
 from omegaconf import DictConfig, open_dict
 
-from adaloss.engine import train
-from adaloss.engine.checkpoint import load_checkpoint
-from adaloss.engine.compiling import EMULATION_REASON
+from adaloss.runner.engine import train
+from adaloss.runner.engine.checkpoint import load_checkpoint
+from adaloss.runner.engine.compiling import EMULATION_REASON
 from conftest import QUIET, ROOT, TINY, compose_train
 
 #: An MLP on digits in FP32 with the dynamic scaler: telemetry at iterations 0, 3 and 5 (eager), the others
@@ -163,7 +164,7 @@ def test_dynamo_still_cannot_compile_the_emulation() -> None:
     """Why the emulation runs eagerly (``EMULATION_REASON``): compiling a forward pass under
     ``EmulatedAutocast`` fails in Dynamo (torch 2.14: graph breaks at every op, then an internal error
     building a guard on the mode). If this test fails, Dynamo can trace it now: try compiling it (and
-    update ``adaloss.engine.compiling``)."""
+    update ``adaloss.runner.engine.compiling``)."""
     from adaloss.numerics.emulation import EmulatedAutocast
     from adaloss.numerics.formats import get_format
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from adaloss.errors import ConfigError
-from adaloss.models import GPT, ViT, build_model
+from adaloss.runner.models import GPT, ViT, build_model
 from adaloss.scalers.adaptive import AdaptiveLossScaler
 
 TINY_GPT = {"vocab_size": 256, "block_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 16}

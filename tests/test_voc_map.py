@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from adaloss.metrics.voc_map import interpolated_ap, match_detections, precision_recall, voc07_map
+from adaloss.runner.metrics.voc_map import interpolated_ap, match_detections, precision_recall, voc07_map
 
 
 def gt(boxes, labels, difficult=None):

@@ -1,5 +1,6 @@
 """What the trainer-integration tests (test_lightning.py, test_accelerate.py) compare against: our own loop
-(the order of ``LossScaler``'s docstring example and src/adaloss/engine/trainer.py) on a small task made
+(the order of ``LossScaler``'s docstring example and src/adaloss/runner/engine/trainer.py) on a small task
+made
 for the scalers to matter.
 
 The loss is multiplied by ``LOSS_FACTOR`` (1e-5), so FP16 gradients underflow unless scaled, and the four
@@ -17,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from adaloss.precision import Precision
+from adaloss.runner.utils.targets import build_scaler
 from adaloss.scalers import LossScaler
-from adaloss.utils.targets import build_scaler
 
 SCALERS = {
     "none": {"name": "none"},

@@ -3,7 +3,7 @@ dynamic vs adaptive u=1 / u=100; CUDA-event medians over interleaved rounds, and
 import statistics, sys, time
 sys.path.insert(0, "src")
 import torch, torch._dynamo as dynamo, torch.nn.functional as F
-from adaloss.models.cifar_resnet import cifar_resnet
+from adaloss.runner.models.cifar_resnet import cifar_resnet
 from adaloss.scalers import AdaptiveLossScaler, DynamicLossScaler
 
 CFG = {"dynamic": lambda: DynamicLossScaler("cuda"), "adaptive_u1": lambda: AdaptiveLossScaler("cuda", update_every=1), "adaptive_u100": lambda: AdaptiveLossScaler("cuda", update_every=100)}

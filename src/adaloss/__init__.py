@@ -9,7 +9,8 @@ The four scalers are importable from here (``from adaloss import AdaptiveLossSca
 This package is the library layer's face (``docs/architecture.md``, "Layers"): importing it, the scalers, the
 adaptive core, numerics, precision or telemetry needs torch and the standard library only. The runner (the
 engine, configs and their schemas, logging) needs the ``runner`` extra; it stores the config schemas in
-Hydra's ConfigStore itself (``adaloss.schemas.register``, called by ``train.py`` and ``compose_train``).
+Hydra's ConfigStore itself (``adaloss.runner.schemas.register``, called by ``train.py`` and
+``compose_train``).
 """
 
 from __future__ import annotations

@@ -2,13 +2,14 @@
 
 One process per device, launched by ``torchrun --nproc_per_node=N train.py ...``, which sets ``RANK``,
 ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``. Without those variables everything here
-is a single-process no-op, so the trainer (:mod:`adaloss.engine.trainer`) has one code path:
+is a single-process no-op, so the trainer (:mod:`adaloss.runner.engine.trainer`) has one code path:
 
 * ``info = init_distributed()``; the model is attached to the scaler, prepared for the precision, then
   wrapped with :func:`wrap_model` (DDP must see the transformed module; the optimizer holds the unwrapped
   module's parameters, the same objects).
 * ``trainer.batch_size`` is the *global* batch: every rank draws the same shuffled global batch (the
-  resumable sampler of :mod:`adaloss.data.loaders`) and keeps its contiguous ``1/world_size`` slice, so the
+  resumable sampler of :mod:`adaloss.runner.data.loaders`) and keeps its contiguous ``1/world_size`` slice,
+  so the
   union over ranks is the single-process batch and a checkpoint's data position means the same at any
   world size.
 * Each rank backpropagates its local mean loss divided by ``world_size`` and a communication hook makes DDP
@@ -20,7 +21,8 @@ is a single-process no-op, so the trainer (:mod:`adaloss.engine.trainer`) has on
 ``distributed.strategy=fsdp2`` shards the model instead (:func:`shard_model`, FSDP2's ``fully_shard``): each
 rank holds ``1/world_size`` of every parameter, gradient and optimizer state; gradients are reduce-scattered
 as sums, so the loss division above holds unchanged; checkpoints are sharded
-(:meth:`adaloss.engine.checkpoint.CheckpointManager.save_shards`) and every rank evaluates. ``docs/fsdp2.md``
+(:meth:`adaloss.runner.engine.checkpoint.CheckpointManager.save_shards`) and every rank evaluates.
+``docs/fsdp2.md``
 says what is reduced where.
 
 Batch-norm statistics stay per rank unless the model is converted with

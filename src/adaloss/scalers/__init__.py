@@ -3,7 +3,7 @@
 All share ``LossScaler``'s interface (``torch.amp.GradScaler``'s method names). ``AdaptiveLossScaler`` is
 exported here too, imported on first use: its module pulls in the torch.fx rewrite, which the other scalers
 do not need. The runner makes one from the ``scaler`` config group with
-:func:`adaloss.utils.targets.build_scaler`.
+:func:`adaloss.runner.utils.targets.build_scaler`.
 """
 
 from __future__ import annotations

@@ -37,8 +37,8 @@ os.environ["ADALOSS_ROOT"] = "/home/user/adaloss"  # what the resolved paths say
 
 from omegaconf import open_dict  # noqa: E402
 
-from adaloss.engine.config import resolved_config  # noqa: E402
-from adaloss.schemas import compose_train  # noqa: E402
+from adaloss.runner.engine.config import resolved_config  # noqa: E402
+from adaloss.runner.schemas import compose_train  # noqa: E402
 
 
 def classification_config(dataset: str, model: str, variant: str, seed: int, extra: list[str]) -> dict:
@@ -95,7 +95,7 @@ def detection_config(variant: str, batch: int, seed: int = 0) -> dict:
         "telemetry": {"every": 100, "format": "fp16"},
         "paths": {
             "root_dir": "/home/user/adaloss",
-            "data_dir": "/home/user/adaloss/data",
+            "data_dir": "/home/user/adaloss/runner/data",
             "results_dir": "/home/user/adaloss/results",
             "output_dir": "/home/user/adaloss/results/sweeps/<job>",
         },
