@@ -1,8 +1,7 @@
 """The command line: ``python train.py [group=option ...] [key=value ...]`` (see configs/train.yaml).
 
 A thin ``@hydra.main`` wrapper around :func:`adaloss.runner.engine.train`: Hydra composes the config, picks
-the
-run folder (``results/runs/...``, or ``results/sweeps/...`` with ``-m``) and logs to it; everything else
+the run folder (``results/runs/...``, or ``results/sweeps/...`` with ``-m``) and logs to it; everything else
 happens in ``train(cfg)``.
 
 Bad input prints one line, ``error: <what is wrong>: <how to fix it>``, on stderr and exits with status 2,

@@ -1,6 +1,5 @@
 """Helpers shared by the scripts: ``src/`` on ``sys.path``, and :mod:`adaloss.lab.reports.measurement`'s
-helpers
-under their old names (the models by name, the machine header, quantiles, JSON output).
+helpers under their old names (the models by name, the machine header, quantiles, JSON output).
 
 The scripts put ``src/`` on ``sys.path`` through this module, so they also run from a checkout without
 ``pip install -e .``.

@@ -9,8 +9,7 @@
 
 Results go to ``results/bench/bench.json`` (``opcounts.json``, ``gpt.json``, ``hostbound.json`` for the
 ``only`` runs; ``--out`` elsewhere); ``--help`` lists the options, and :mod:`adaloss.lab.bench`'s docstring
-says
-how and why it measures.
+says how and why it measures.
 """
 
 import sys

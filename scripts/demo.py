@@ -11,8 +11,7 @@ offline W&B files). About 5 minutes on 2 idle CPU cores; `--max-steps 50` for a 
 
 The kernel path is pinned, so every CPU prints the same table: torch's, oneDNN's and MKL's kernels capped at
 AVX2 (:func:`adaloss.runner.provenance.pin_kernel_path`; a variable you set yourself wins) and 2 threads.
-Without
-the pin, the table depends on the CPU's vector instructions and the thread count (a 30-step FP32 run:
+Without the pin, the table depends on the CPU's vector instructions and the thread count (a 30-step FP32 run:
 26.11% test accuracy on AVX-512 with 1 thread, 22.50% with 2, 23.61% capped at AVX2).
 """
 

@@ -4,11 +4,10 @@
 
 Each run composes the config ``python train.py model=gpt dataset=pystdlib <variant> <overrides>`` uses and
 calls ``adaloss.runner.engine.train`` in this process (folders under ``--out``, default ``results/lm/``).
-Before it,
-the validation loss of the run's initial model is measured: the trainer seeds, builds the data and builds
-the model in that order, so doing the same here gives the weights the run starts from. Prints a Markdown
-table (mean and sample standard deviation over the seeds of the validation loss at the start and at the
-end, the best, the mean activation-gradient underflow rate over the layers at the last telemetry step, for
+Before it, the validation loss of the run's initial model is measured: the trainer seeds, builds the data and
+builds the model in that order, so doing the same here gives the weights the run starts from. Prints a
+Markdown table (mean and sample standard deviation over the seeds of the validation loss at the start and at
+the end, the best, the mean activation-gradient underflow rate over the layers at the last telemetry step, for
 the FP32 run what FP16 would lose; skipped steps, wall time) and writes every run's numbers to
 ``<out>/lm_runs.json``, the table to ``<out>/table.md``.
 

@@ -146,10 +146,9 @@ class _TinyNet(torch.nn.Module):
 @pytest.fixture
 def tiny_timed_model(monkeypatch: pytest.MonkeyPatch, single_thread: None) -> Callable[[int | None], None]:
     """Make :mod:`adaloss.lab.gpucheck`'s timed model (whatever its name) a :class:`_TinyNet` on 4x4 images,
-    so
-    that compiled steps (``time_steps(..., backend="aot_eager")``) compile in seconds on the CPU. Call it
-    (``tiny_timed_model()``); ``tiny_timed_model(n)``: each built model's batches grow to 5x5 images after
-    its first ``n``, which makes Dynamo compile again when it sees them."""
+    so that compiled steps (``time_steps(..., backend="aot_eager")``) compile in seconds on the CPU. Call it
+    (``tiny_timed_model()``); ``tiny_timed_model(n)``: each built model's batches grow to 5x5 images after its
+    first ``n``, which makes Dynamo compile again when it sees them."""
     import adaloss.lab.gpucheck as gpucheck
 
     def install(grow_after: int | None = None) -> None:

@@ -1,6 +1,5 @@
 """Smoke tests of the bench (:mod:`adaloss.lab.bench`, ``scripts/bench.py``) and
-``scripts/underflow_table.py``,
-imported as modules, tiny settings.
+``scripts/underflow_table.py``, imported as modules, tiny settings.
 
 The scripts' numbers are only meaningful from the full runs; these tests check the plumbing: every ratio key
 is produced as a positive finite number, the amortization formulas are the documented ones, and the underflow

@@ -1,7 +1,6 @@
 """What the trainer-integration tests (test_lightning.py, test_accelerate.py) compare against: our own loop
 (the order of ``LossScaler``'s docstring example and src/adaloss/runner/engine/trainer.py) on a small task
-made
-for the scalers to matter.
+made for the scalers to matter.
 
 The loss is multiplied by ``LOSS_FACTOR`` (1e-5), so FP16 gradients underflow unless scaled, and the four
 scalers end 20 steps with four different sets of weights (test_lightning.py checks it): a trainer that

@@ -8,9 +8,8 @@ is a single-process no-op, so the trainer (:mod:`adaloss.runner.engine.trainer`)
   wrapped with :func:`wrap_model` (DDP must see the transformed module; the optimizer holds the unwrapped
   module's parameters, the same objects).
 * ``trainer.batch_size`` is the *global* batch: every rank draws the same shuffled global batch (the
-  resumable sampler of :mod:`adaloss.runner.data.loaders`) and keeps its contiguous ``1/world_size`` slice,
-  so the
-  union over ranks is the single-process batch and a checkpoint's data position means the same at any
+  resumable sampler of :mod:`adaloss.runner.data.loaders`) and keeps its contiguous ``1/world_size`` slice, so
+  the union over ranks is the single-process batch and a checkpoint's data position means the same at any
   world size.
 * Each rank backpropagates its local mean loss divided by ``world_size`` and a communication hook makes DDP
   *sum* the gradients: the optimizer sees the global-batch mean, and every rank's backward pass sees
@@ -22,8 +21,7 @@ is a single-process no-op, so the trainer (:mod:`adaloss.runner.engine.trainer`)
 rank holds ``1/world_size`` of every parameter, gradient and optimizer state; gradients are reduce-scattered
 as sums, so the loss division above holds unchanged; checkpoints are sharded
 (:meth:`adaloss.runner.engine.checkpoint.CheckpointManager.save_shards`) and every rank evaluates.
-``docs/fsdp2.md``
-says what is reduced where.
+``docs/fsdp2.md`` says what is reduced where.
 
 Batch-norm statistics stay per rank unless the model is converted with
 ``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` (CUDA only; not wired).

@@ -730,8 +730,8 @@ class HFCausalLMConf(PartConf):
 @dataclass
 class HFMaskedLMConf(PartConf):
     """A Hugging Face transformers masked LM from a bundled config file
-    (``adaloss.runner.models.hf.masked_lm``),
-    trained by the language-model task with ``masking`` of the positions masked."""
+    (``adaloss.runner.models.hf.masked_lm``), trained by the language-model task with ``masking`` of the
+    positions masked."""
 
     TASK: ClassVar[str | None] = "language_model"
     _target_: str = "adaloss.runner.models.hf.masked_lm"

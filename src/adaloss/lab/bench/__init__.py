@@ -51,10 +51,9 @@ bandwidth with the neighbours, so it does not make a loaded machine an idle one.
 
 Allocator and kernels: :func:`adaloss.lab.bench.cli.main` first applies
 :func:`adaloss.runner.utils.allocator.tune_cpu_allocator` (as the trainer does on the CPU), so no
-configuration pays
-for glibc's malloc giving memory back to the kernel and faulting it in again every step; without it, which
-configuration took those faults (up to 1.4 million per step) depended on heap layout and moved ratios by
-several percent.
+configuration pays for glibc's malloc giving memory back to the kernel and faulting it in again every step;
+without it, which configuration took those faults (up to 1.4 million per step) depended on heap layout and
+moved ratios by several percent.
 
 Paired runs: ``--configs fp16_dynamic fp16_adaptive_u100`` measures only those configurations (and reports
 only the ratios between them), so a comparison of two configurations gets more rounds in the same time and
@@ -85,8 +84,7 @@ with their ratios to the dynamic step against issue 22's goals (reuse at most 1.
 2x), and where the extra ops come from, by op and by calling line. Counts are exact and do not depend on
 the batch size or the machine's load, so one small batch suffices (checked each run). See
 :func:`adaloss.lab.bench.opcounts.count_step_ops` and :class:`adaloss.lab.bench.opcounts.OpCounter` for what
-is
-counted and how.
+is counted and how.
 
 Cost: the default run keeps to ``--budget`` seconds (840 s), shared among the models; deeper models get
 fewer rounds and fewer steps per round; the tiny GPT keeps to ``--gpt-budget`` (240 s), the host-bound
@@ -97,9 +95,8 @@ op counts go to ``--out`` (``results/bench/bench.json``; ``--opcounts only``:
 ``results/bench/opcounts.json``).
 
 Modules: :mod:`~adaloss.lab.bench.specs` (the configurations and ratio definitions),
-:mod:`~adaloss.lab.bench.timing`
-(the runners and interleaved rounds), :mod:`~adaloss.lab.bench.stats` (ratios per round, medians, A/A between
-copies), :mod:`~adaloss.lab.bench.hostbound` (the host-bound step, eager and compiled),
-:mod:`~adaloss.lab.bench.opcounts` (the dispatched-ops counter), :mod:`~adaloss.lab.bench.report` (the
-tables), :mod:`~adaloss.lab.bench.cli` (the command line; ``scripts/bench.py`` calls its ``main``).
+:mod:`~adaloss.lab.bench.timing` (the runners and interleaved rounds), :mod:`~adaloss.lab.bench.stats` (ratios
+per round, medians, A/A between copies), :mod:`~adaloss.lab.bench.hostbound` (the host-bound step, eager and
+compiled), :mod:`~adaloss.lab.bench.opcounts` (the dispatched-ops counter), :mod:`~adaloss.lab.bench.report`
+(the tables), :mod:`~adaloss.lab.bench.cli` (the command line; ``scripts/bench.py`` calls its ``main``).
 """

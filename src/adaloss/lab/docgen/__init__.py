@@ -21,8 +21,6 @@ not: the commit it measured (default: ``HEAD``; ``dirty`` when tracked files dif
 that produced it. The performance page shows both beside the machine, torch version and date the JSON holds.
 
 The modules: :mod:`~adaloss.lab.docgen.markdown` (rewriting Markdown), :mod:`~adaloss.lab.docgen.regions` (a
-renderer
-per region), :mod:`~adaloss.lab.docgen.pages` (pages, render, differences, write),
-:mod:`~adaloss.lab.docgen.stamp`
-and :mod:`~adaloss.lab.docgen.cli` (the command line).
+renderer per region), :mod:`~adaloss.lab.docgen.pages` (pages, render, differences, write),
+:mod:`~adaloss.lab.docgen.stamp` and :mod:`~adaloss.lab.docgen.cli` (the command line).
 """

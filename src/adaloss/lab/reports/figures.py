@@ -4,9 +4,8 @@ telemetry of finished runs.
     python scripts/make_figures.py results/sweeps/<time> [more folders ...] [--out results/figures] [--wandb]
 
 **Input.** Finished runs (:mod:`adaloss.lab.reports.runs`). A run's ``config`` (the resolved config) says
-model,
-dataset, precision and scaler; ``.hydra/hydra.yaml`` (or ``.hydra/overrides.yaml``) says which experiment
-launched it. The curves come from ``<run>/telemetry.jsonl``: one JSON object per telemetry step,
+model, dataset, precision and scaler; ``.hydra/hydra.yaml`` (or ``.hydra/overrides.yaml``) says which
+experiment launched it. The curves come from ``<run>/telemetry.jsonl``: one JSON object per telemetry step,
 ``{"step": n, "underflow_rate": {layer: r}, "loss_scale": float or {layer: alpha}, "expected_loss_scale":
 {layer: s}}``, layers in network order; the last line is the run's last iteration.
 

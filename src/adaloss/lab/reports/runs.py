@@ -47,8 +47,7 @@ NATIVE_IMAGE_SIZE = {"ssd300": 300, "ssd512": 512}
 
 
 #: The marker a finished run writes last (``adaloss.runner.engine.run_folder.DONE_FILE``; not imported: the
-#: readers
-#: stay free of the engine's imports).
+#: readers stay free of the engine's imports).
 DONE_FILE = "done"
 
 

@@ -7,8 +7,8 @@ its own, and compared with the committed numbers (:mod:`.compare`):
 
 * bit for bit when the kernel path the result was recorded on (``record.json`` beside it,
   :func:`adaloss.runner.provenance.result_record`) is this process's
-  (:func:`adaloss.runner.provenance.kernel_key`: torch's
-  CPU capability, oneDNN's and MKL's instruction sets, threads);
+  (:func:`adaloss.runner.provenance.kernel_key`: torch's CPU capability, oneDNN's and MKL's instruction sets,
+  threads);
 * otherwise within the sample's stated tolerance on its headline number, the spread of every number reported.
 
 A mismatch names the result, the cell and the command that regenerates it. The records of hardware we do not

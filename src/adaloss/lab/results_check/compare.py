@@ -107,9 +107,8 @@ def judge(sample: Sample, committed: Any, rerun: dict[str, Any], recorded_key: s
 
 
 def read_record(family: Family, root: Path) -> dict[str, Any] | None:
-    """The family's ``record.json`` (:func:`adaloss.runner.provenance.result_record`), or None if it has
-    none; for
-    the bench and GPU records, each JSON's own ``record`` block."""
+    """The family's ``record.json`` (:func:`adaloss.runner.provenance.result_record`), or None if it has none;
+    for the bench and GPU records, each JSON's own ``record`` block."""
     path = root / family.folder / "record.json"
     if path.is_file():
         return json.loads(path.read_text(encoding="utf-8"))

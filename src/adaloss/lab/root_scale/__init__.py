@@ -7,8 +7,7 @@ paper's), dynamic or adaptive.
 For each task, each seed and each root (interleaved: seed by seed, the three roots one after the other), one
 short run of ``python train.py <task> precision=fp16 scaler=adaptive scaler.root=<root>`` (composed as
 ``train.py`` composes it, run by ``adaloss.runner.engine.train`` in this process, single-threaded), then a
-cost
-benchmark in the same process. Recorded per run: the task's validation metric, the per-layer underflow of
+cost benchmark in the same process. Recorded per run: the task's validation metric, the per-layer underflow of
 the last telemetry step (the runs' own telemetry), alpha_{N+1} at the end, skipped steps, and how many steps
 recomputed the betas. The tasks (short reductions of the dataset recipes, chosen to fit a CPU budget):
 

@@ -29,16 +29,14 @@ __all__ = [
 
 def build_datasets(cfg: Any, data_dir: str | os.PathLike[str]) -> tuple[Any, Any, Any]:
     """``(train_set, test_set, info)`` of a ``dataset`` config: ``hydra.utils.instantiate`` on its
-    ``_target_`` (``adaloss.runner.data.datasets.cifar``, ..., or a function of the user's), with
-    ``data_dir`` if
-    the target takes it. Classification samples are ``(image, label)`` and ``info`` a ``DatasetInfo``;
+    ``_target_`` (``adaloss.runner.data.datasets.cifar``, ..., or a function of the user's), with ``data_dir``
+    if the target takes it. Classification samples are ``(image, label)`` and ``info`` a ``DatasetInfo``;
     detection (``shapes``, ``voc``) ``(image, target dict)`` and a ``DetectionInfo``; text (``pystdlib``,
     ``tokens``) ``(x, y)`` token windows and a ``TextInfo``.
 
     ``cfg``: the composed ``dataset`` node, or a plain mapping (``{"name": "digits"}`` takes the schema of
     that name, :mod:`adaloss.runner.schemas`). ``ConfigError`` for an unknown name or key, a wrong type, a
-    value
-    out of range or missing data.
+    value out of range or missing data.
     """
     from adaloss.errors import ConfigError
     from adaloss.runner.schemas import typed

@@ -317,8 +317,7 @@ def _build_synthetic(cfg: dict[str, Any]) -> tuple[Dataset, Dataset, DatasetInfo
 
 
 # Every field of the dataset's schema (adaloss.runner.schemas) is passed: its defaults and ranges live there
-# alone.
-# ``num_classes``, ``image_size``, ``mean`` and ``std`` may be null: the dataset's own.
+# alone. ``num_classes``, ``image_size``, ``mean`` and ``std`` may be null: the dataset's own.
 
 
 def cifar(

@@ -90,8 +90,8 @@ class VOCDetectionSet(Dataset):
 
     Each item: read the JPEG and its XML (``VOCDetection``), parse the objects, drop difficult ones unless
     ``use_difficult``, then ``transform(image, target)`` (an SSD transform from
-    ``adaloss.runner.data.detection``).
-    Cost: JPEG decoding plus the transform, several ms per image: use DataLoader workers.
+    ``adaloss.runner.data.detection``). Cost: JPEG decoding plus the transform, several ms per image: use
+    DataLoader workers.
     """
 
     class_names = VOC_CLASSES

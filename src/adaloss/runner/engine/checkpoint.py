@@ -18,11 +18,9 @@ parts and puts it back; :class:`CheckpointManager` writes, finds, checks and rea
 * **Resume**: ``resume=auto`` continues from the newest *valid* checkpoint in the run folder (a truncated or
   corrupt one is skipped with a warning naming the file and the reason), or starts fresh if there is none;
   on a run that finished (its ``done`` marker exists, :mod:`adaloss.runner.engine.run_folder`) it changes
-  nothing;
-  ``resume=<file>`` continues from that file (a ``ConfigError`` if it is missing, a directory, unreadable
-  or holds a model of other layer shapes);
-  ``resume=null`` starts fresh. Resuming with a different model, dataset, scaler, precision, batch size,
-  seed or run length is a ``ConfigError``.
+  nothing; ``resume=<file>`` continues from that file (a ``ConfigError`` if it is missing, a directory,
+  unreadable or holds a model of other layer shapes); ``resume=null`` starts fresh. Resuming with a different
+  model, dataset, scaler, precision, batch size, seed or run length is a ``ConfigError``.
 * **Sharded** (``distributed.strategy=fsdp2``): the model's and the optimizer's state stay sharded; every
   rank writes its shards through ``torch.distributed.checkpoint`` into ``step_<N>.dcp/`` (written as
   ``.step_<N>.dcp.tmp/``, renamed when every rank is done), then rank 0 writes ``step_<N>.pt`` with the rest
@@ -100,10 +98,9 @@ class CheckpointError(Exception):
 
 def save_atomic(obj: Any, path: Path) -> Path:
     """``torch.save(obj)`` to ``path`` atomically (:func:`adaloss.runner.logging.metrics.write_atomic`): a
-    crash
-    leaves either no file or the complete one under ``path`` (and at most a ``.<name>.*.tmp`` leftover, which
-    :meth:`CheckpointManager.clean` removes). Cost: the serialization, one fsync of the file and one of the
-    folder."""
+    crash leaves either no file or the complete one under ``path`` (and at most a ``.<name>.*.tmp`` leftover,
+    which :meth:`CheckpointManager.clean` removes). Cost: the serialization, one fsync of the file and one of
+    the folder."""
     return write_atomic(path, lambda handle: torch.save(obj, handle))
 
 
@@ -307,8 +304,7 @@ class CheckpointManager:
         """Write ``state`` as ``step_<step>.pt`` atomically, then delete the oldest beyond ``keep``.
 
         Raises :class:`~adaloss.runner.engine.run_folder.RunFolderError` (one line) when the write fails: a
-        full
-        disk, a read-only folder, the folder deleted during the save. The earlier checkpoints stay as
+        full disk, a read-only folder, the folder deleted during the save. The earlier checkpoints stay as
         they were, and no partial file is left."""
         path = self.folder / f"step_{step}.pt"
         with writing("checkpoint", path):

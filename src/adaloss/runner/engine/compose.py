@@ -2,8 +2,8 @@
 
 ``train(cfg)`` (:mod:`adaloss.runner.engine.trainer`) reads top-down: check the config and build the numerics
 (:func:`adaloss.runner.engine.config.validate_config`, which calls :func:`build_numerics`), admit the start
-(:mod:`adaloss.runner.engine.admission`), :func:`build_run`, then the loop and the finish. Each group is
-built with :func:`adaloss.runner.utils.targets.build_target` on its ``_target_``:
+(:mod:`adaloss.runner.engine.admission`), :func:`build_run`, then the loop and the finish. Each group is built
+with :func:`adaloss.runner.utils.targets.build_target` on its ``_target_``:
 
 =============  ==========================================================================================
 group          built by

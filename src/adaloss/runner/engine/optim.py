@@ -2,10 +2,9 @@
 
 Both groups name what they build with ``_target_`` and are ``_partial_: true`` configs
 (:func:`adaloss.runner.utils.targets.build_target`): the optimizer gets the model's parameters, the schedule
-the
-optimizer and the run's length, when the trainer has them. Bundled: ``torch.optim.SGD`` (``optimizer=sgd``),
-``torch.optim.AdamW`` (``optimizer=adamw``), :func:`multistep` and :func:`warmup_cosine`; any
-``torch.optim`` optimizer or ``torch.optim.lr_scheduler`` class plugs in the same way.
+the optimizer and the run's length, when the trainer has them. Bundled: ``torch.optim.SGD``
+(``optimizer=sgd``), ``torch.optim.AdamW`` (``optimizer=adamw``), :func:`multistep` and :func:`warmup_cosine`;
+any ``torch.optim`` optimizer or ``torch.optim.lr_scheduler`` class plugs in the same way.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """What differs between classification and detection runs, behind one small interface the loop calls.
 
 The loop in :mod:`adaloss.runner.engine.trainer` is the same for every task: fetch a batch, forward and loss
-under
-the precision context, backward through the loss scaler, step, update. A :class:`Task` supplies the parts
-that depend on the data: how a batch moves to the device, the loss, the running training statistics, and
+under the precision context, backward through the loss scaler, step, update. A :class:`Task` supplies the
+parts that depend on the data: how a batch moves to the device, the loss, the running training statistics, and
 the evaluation metric.
 
 * :class:`ClassificationTask`: cross-entropy, top-1 accuracy (``test_accuracy``, %).
@@ -164,11 +163,10 @@ class ClassificationTask(Task):
 class DetectionTask(Task):
     """SSD on ``(images [B, 3, S, S], [target dict, ...])`` batches (``detection_collate``); VOC07 mAP.
 
-    ``model`` is the :class:`~adaloss.runner.models.ssd.SSDDetector` (kept as ``detector``); ``self.model``
-    is its
-    ``net``. ``info``: the dataset's ``DetectionInfo`` (its class names, its image size). ``init``: the
-    data-dependent initialization (``model.init``, read by ``configs/task/detection.yaml``).
-    ``ConfigError`` for a model that is not an SSD detector or expects another image size than the data's.
+    ``model`` is the :class:`~adaloss.runner.models.ssd.SSDDetector` (kept as ``detector``); ``self.model`` is
+    its ``net``. ``info``: the dataset's ``DetectionInfo`` (its class names, its image size). ``init``: the
+    data-dependent initialization (``model.init``, read by ``configs/task/detection.yaml``). ``ConfigError``
+    for a model that is not an SSD detector or expects another image size than the data's.
     """
 
     kind = "detection"

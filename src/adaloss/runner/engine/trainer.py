@@ -3,11 +3,11 @@
 A run goes through named phases, in this order: the config checked and the precision and scaler built
 (:func:`adaloss.runner.engine.config.validate_config`); a finished run answered and the folder locked
 (:class:`adaloss.runner.engine.admission.Admission`); the build
-(:func:`adaloss.runner.engine.compose.build_run`: data,
-task, model, optimizer, schedule; writes nothing); :func:`_resume` (the admission's checks, then the folder
-is the run's and the logs open); :func:`_loop` (the iterations; what is due after each: telemetry, a log
-line, :func:`_evaluate`, a checkpoint, a stop on a signal) and :func:`_finish` (``metrics.json``, then the
-``done`` marker). They share one :class:`~adaloss.runner.engine.compose.Run`.
+(:func:`adaloss.runner.engine.compose.build_run`: data, task, model, optimizer, schedule; writes nothing);
+:func:`_resume` (the admission's checks, then the folder is the run's and the logs open); :func:`_loop` (the
+iterations; what is due after each: telemetry, a log line, :func:`_evaluate`, a checkpoint, a stop on a
+signal) and :func:`_finish` (``metrics.json``, then the ``done`` marker). They share one
+:class:`~adaloss.runner.engine.compose.Run`.
 
 The loop reads top to bottom (the step shape of ``docs/architecture.md``): forward and loss under the
 precision context, backward through the loss scaler, optional unscale + clip, step, update, and the lr
@@ -17,21 +17,19 @@ telemetry steps (underflow counts), one per evaluation, and for the adaptive sca
 recompute its per-layer scales (``scalars.csv`` records their range every iteration).
 
 Checkpoints (``trainer.checkpoint_every``) and ``resume=`` are described in
-:mod:`adaloss.runner.engine.checkpoint`:
-a resumed run continues bitwise as the uninterrupted run would have (on the CPU, with ``num_workers=0``).
+:mod:`adaloss.runner.engine.checkpoint`: a resumed run continues bitwise as the uninterrupted run would have
+(on the CPU, with ``num_workers=0``).
 
-``trainer.compile=true`` (:mod:`adaloss.runner.engine.compiling`): the loop calls a ``torch.compile``d
-wrapper of the
-module (DDP around it), eagerly on telemetry steps and for the CPU emulation; everything else (state dicts,
-evaluation, callbacks) uses the uncompiled module, which shares its parameters.
+``trainer.compile=true`` (:mod:`adaloss.runner.engine.compiling`): the loop calls a ``torch.compile``d wrapper
+of the module (DDP around it), eagerly on telemetry steps and for the CPU emulation; everything else (state
+dicts, evaluation, callbacks) uses the uncompiled module, which shares its parameters.
 
 Data parallel (``torchrun --nproc_per_node=N train.py ...``; :mod:`adaloss.distributed`): one process per
 device, DistributedDataParallel over NCCL (CUDA) or gloo (CPU). What a run means does not depend on ``N``:
 
 * ``trainer.batch_size`` is the global batch. Every rank draws the same shuffled global batches and takes its
   contiguous ``1/N`` of each (:mod:`adaloss.runner.data.loaders`), so one iteration's samples over all ranks
-  are
-  exactly those of a one-process run, and the schedule, the data position and ``images_per_s`` count
+  are exactly those of a one-process run, and the schedule, the data position and ``images_per_s`` count
   global batches.
 * Each rank backpropagates ``mean loss over its samples / N`` and DDP *sums* the gradients (a comm hook
   instead of DDP's averaging): the optimizer sees the mean over the global batch, as before, and every
@@ -120,9 +118,9 @@ def train(cfg: DictConfig, callbacks: Sequence[StepCallback] = ()) -> dict[str, 
     ``model.pt`` (the final weights) with ``trainer.save_final``, then ``metrics.json`` (atomically) and,
     last, the ``done`` marker: a run that raises leaves no ``done`` (and keeps its checkpoints).
     ``resume=auto`` or ``resume=<file>`` continues from a checkpoint
-    (:mod:`adaloss.runner.engine.checkpoint`);
-    ``resume=auto`` on a finished run (``done`` exists) prints one line, returns its recorded metrics and
-    changes nothing. ``callbacks`` are called after every iteration (see :data:`StepCallback`).
+    (:mod:`adaloss.runner.engine.checkpoint`); ``resume=auto`` on a finished run (``done`` exists) prints one
+    line, returns its recorded metrics and changes nothing. ``callbacks`` are called after every iteration
+    (see :data:`StepCallback`).
 
     Returns a dict with the task's test metric (classification: ``test_accuracy`` and
     ``best_test_accuracy``, top-1 %; detection: ``map`` and ``best_map``, VOC07 mAP %, and
@@ -172,7 +170,7 @@ def train(cfg: DictConfig, callbacks: Sequence[StepCallback] = ()) -> dict[str, 
         numerics = validate_config(cfg, ranks.device)  # every check; the run's (precision, scaler)
         run_dir, config = _output_dir(cfg), resolved_config(cfg)
         if device.type == "cpu":
-            tune_cpu_allocator()  # no page faults per step from malloc returning memory (runner/utils/allocator.py)
+            tune_cpu_allocator()  # no page faults per step from malloc handing memory back
         if ranks.is_distributed:
             # the folder rank 0's Hydra chose (an unset hydra.run.dir holds a timestamp, which may differ)
             run_dir = Path(ranks.broadcast(str(run_dir)))

@@ -9,15 +9,14 @@ with ``python train.py model=custom model._target_=my_pkg.MyNet model.name=mynet
 ``+model.<arg>=...``).
 
 The bundled models are the files of ``configs/model/`` (each with its schema, :mod:`adaloss.runner.schemas`,
-which
-also says what data the model trains on: its ``TASK``). A config of a bundled name without ``_target_``
+which also says what data the model trains on: its ``TASK``). A config of a bundled name without ``_target_``
 (``{"name": "resnet20"}``, as scripts and tests write) is that file, with the mapping's keys on top.
 
 Every bundled model but the Hugging Face ones (``model=hf_gpt2``, ``hf_llama``:
-:mod:`adaloss.runner.models.hf`,
-which the adaptive scaler captures with ``torch.export``) traces with ``torch.fx.symbolic_trace`` (the
-adaptive scaler rewrites models with torch.fx), uses non-in-place activations and has torchvision-like
-module names (``layer3.2.conv1``, ``h.0.attn.c_attn``) so per-layer telemetry reads naturally.
+:mod:`adaloss.runner.models.hf`, which the adaptive scaler captures with ``torch.export``) traces with
+``torch.fx.symbolic_trace`` (the adaptive scaler rewrites models with torch.fx), uses non-in-place activations
+and has torchvision-like module names (``layer3.2.conv1``, ``h.0.attn.c_attn``) so per-layer telemetry reads
+naturally.
 """
 
 from __future__ import annotations

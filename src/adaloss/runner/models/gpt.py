@@ -71,8 +71,8 @@ class CausalSelfAttention(nn.Module):
     """Multi-head self-attention: one fused QKV projection, PyTorch's fused attention, an output projection.
 
     ``causal=False`` lets every token attend to every other (the encoder blocks of
-    :mod:`adaloss.runner.models.vit`).
-    Shapes: ``[B, T, C] -> [B, T, C]``; inside, ``q, k, v`` are ``[B, n_head, T, C / n_head]``.
+    :mod:`adaloss.runner.models.vit`). Shapes: ``[B, T, C] -> [B, T, C]``; inside, ``q, k, v`` are ``[B,
+    n_head, T, C / n_head]``.
     """
 
     def __init__(

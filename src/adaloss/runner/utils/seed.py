@@ -27,8 +27,7 @@ def capture_rng_state() -> dict[str, Any]:
 
     Per-loader generators (the shuffle order) are saved with the data position instead
     (:class:`adaloss.runner.data.BatchStream`). CUDA states are captured only once CUDA is initialized, so a
-    CPU
-    run never initializes it. Cost: a few KB of copies.
+    CPU run never initializes it. Cost: a few KB of copies.
     """
     version, internal, gauss_next = random.getstate()
     kind, key, pos, has_gauss, cached_gaussian = np.random.get_state()

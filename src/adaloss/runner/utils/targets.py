@@ -4,8 +4,7 @@ Each group (``model``, ``dataset``, ``scaler``, ``precision``, ``optimizer``, ``
 what it builds with ``_target_`` (a dotted path to a class or function); the other keys of its node are its
 arguments, except the fields its schema marks as the group's own (``name``: what runs, tables and
 checkpoints call it; see :mod:`adaloss.runner.schemas`). What the config cannot know is added at build time,
-by
-parameter name, where the target takes it: the data's ``num_classes``, the gradient format ``fmt``, the
+by parameter name, where the target takes it: the data's ``num_classes``, the gradient format ``fmt``, the
 optimizer's parameters, the schedule's length (``fill`` of :func:`build_target`).
 
 A key the target does not take is an error (one ``ConfigError`` naming the target, the key and the fix), not
@@ -118,9 +117,9 @@ def build_target(
     * ``cfg["_target_"]`` (or ``defaults["_target_"]``) names the class or function; ``defaults`` are
       arguments the config may omit.
     * The arguments are the node's keys minus its schema's own fields
-      (:func:`adaloss.runner.schemas.arguments`)
-      and minus ``metadata`` (for a node without a schema). Every one of them must be a parameter of the
-      target (or the target takes ``**kwargs``): an unknown key is a ``ConfigError``.
+      (:func:`adaloss.runner.schemas.arguments`) and minus ``metadata`` (for a node without a schema). Every
+      one of them must be a parameter of the target (or the target takes ``**kwargs``): an unknown key is a
+      ``ConfigError``.
     * ``fill``: values from the run (the dataset's ``num_classes``, a schedule's ``length``) for the
       parameters the target names and the config does not set.
     * ``args``: positional arguments (an optimizer's parameter groups). A ``_partial_: true`` config gives a
