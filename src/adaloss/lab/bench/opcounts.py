@@ -47,7 +47,7 @@ OP_MODELS = ("resnet20", "resnet110")
 OP_BATCH = 2
 _SRC = str(Path(__file__).resolve().parents[2]) + "/"  # src/adaloss/
 #: Left out of the sites and origins: the models (see ``_origin_and_site``) and this package, the loop itself.
-_NOT_COUNTED = (_SRC + "models/", _SRC + "bench/")
+_NOT_COUNTED = (_SRC + "runner/models/", _SRC + "lab/bench/")
 
 
 class OpCounter(TorchDispatchMode):
