@@ -58,6 +58,7 @@ __all__ = [
     "product_backward",
     "product_beta",
     "root_factor",
+    "root_over",
     "to_root",
 ]
 
@@ -85,13 +86,20 @@ def is_unit(state: AdaptiveState, part: int, index: int) -> bool:
     return units is not None and units[part][index]
 
 
+def root_over(alpha_root: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """``alpha_{N+1} / alpha``: the factor that brings a gradient carrying ``alpha`` to the root scale, the
+    paper's ``/ alpha_j`` on the weight gradient taken to ``alpha_{N+1}`` (``to_root`` in the buffers;
+    ``alpha`` a slot's alpha or all of them). Exact: powers of two."""
+    return alpha_root / alpha
+
+
 def emit(state: AdaptiveState, slot: int, alpha: torch.Tensor) -> None:
     """A recompute pass's point emits ``alpha`` into ``slot``: ``alpha[slot]`` and ``to_root[slot]`` are
     written in place (two small device ops; readers of the slot run later in the same backward pass)."""
     buf = state.buffers
     alpha = on_device(alpha, buf.device)
     buf.alpha[slot].copy_(alpha)
-    buf.to_root[slot].copy_(buf.alpha[0] / alpha)
+    buf.to_root[slot].copy_(root_over(buf.alpha[0], alpha))
 
 
 def root_factor(state: AdaptiveState, kind: str, slot: int, device: torch.device) -> torch.Tensor | None:
