@@ -98,23 +98,14 @@ class ScaledGEMM(torch.autograd.Function):
 
     ``spec`` describes the layer (``kind``: "linear" | "conv" | "conv_transpose" | "grouped", strides,
     padding, ...; a grouped GEMM's ``offs``: one beta for all its groups, see docs/transform.md).
-    In emulation it rounds like :class:`~adaloss.numerics.emulation.EmulatedAutocast` would around a GEMM:
-    the weight copy, the output, the beta-scaled gradient used for the input gradient, and the weight
-    gradient before it is brought to the root scale in the FP32 master gradient; the incoming gradient
-    arrives already rounded (and counted for telemetry) by the :class:`GradRound` node on its output. Under
-    autocast (CUDA, or the CPU's own FP16/BF16) it computes in the autocast dtype explicitly, backward pass
-    included. ``record`` (grad mode was on at the call) gives an FP8 recipe's weight and bias gradients
-    their quantizer sites. ``carried``: the parameters of the module the layer feeds directly
+    ``record`` (grad mode was on at the call) gives an FP8 recipe's weight and bias gradients their quantizer
+    sites. The incoming gradient arrives already rounded (and counted for telemetry) by the
+    :class:`GradRound` node on its output. ``carried``: the parameters of the module the layer feeds directly
     (``GemmPoint.carried``, a batch norm after a conv); the node returns a view of each beside ``y`` and
     brings their gradients to the root scale as :class:`ParamUnscale` would (the module's backward pass
     runs just before this one, and its gradient carries this layer's ``alpha_j``): one Python node fewer
-    per such module.
-
-    Per backward call, beyond what the plain layer does: on a recompute pass the weight's and the gradient's
-    statistics (four reductions), the beta arithmetic (about ten 0-dim ops,
-    :meth:`adaloss.adaptive.rules.ScaleRule.beta`) and the writes of beta and the emitted alpha; on every
-    pass one multiply of the incoming gradient by beta and one of the weight gradient by ``alpha_{N+1} /
-    alpha_j`` (none where that is 1 by construction, or on a plain pass). No host sync.
+    per such module. The cost of a backward call beyond the plain layer's: see
+    :func:`~adaloss.adaptive.algorithm3.gemm_backward`. No host sync.
     """
 
     @staticmethod
