@@ -11,7 +11,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from adaloss.adaptive.algorithm3 import root_over
 from adaloss.adaptive.coverage import Coverage, build_coverage, recurrent_layers
 from adaloss.adaptive.rules import NO_BOUND, REFERENCE_FP16_U_MIN, RULES, ScaleRule, Statistics, gemm_bounds
 from adaloss.adaptive.state import AdaptiveState, GradSignature
@@ -834,7 +833,7 @@ class AdaptiveLossScaler(LossScaler):
         put(buf.branch_factors, factors)
         if saved.get("slot_alphas") is not None:
             put(buf.alpha, saved["slot_alphas"])
-            buf.to_root.copy_(root_over(buf.alpha[0], buf.alpha))
+            buf.to_root.copy_(buf.alpha[0] / buf.alpha)
         else:
             self._force_recompute = True
         # Points without scales in the checkpoint are fine only under the requires_grad flags they were
