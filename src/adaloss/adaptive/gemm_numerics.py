@@ -84,7 +84,8 @@ class GemmNumerics:
 
     :meth:`forward` runs the layer; in its backward pass Algorithm 3 calls :meth:`received` on the
     incoming gradient, :meth:`store_scaled` on the beta-scaled one, :meth:`backprop` for the three
-    gradients, :meth:`input_grad` and :meth:`param_grad` on what leaves. Holds no tensor."""
+    gradients, :meth:`input_grad` and :meth:`param_grad` on what leaves. Keeps none of the call's tensors
+    (the autograd node saves the input and the weight :meth:`forward` returns)."""
 
     def __init__(self, name: str, spec: dict, record: bool) -> None:
         self.name, self.spec, self.record = name, spec, record
@@ -107,6 +108,7 @@ class GemmNumerics:
         self.probe = emu.probe_for(self.name) if emu is not None and self.grad_fmt is None else None
         self.x_dtype = x.dtype
         self.w_dtype = weight.dtype  # the master weight's dtype: parameter gradients are returned in it
+        # Under autocast the backward pass, which autocast does not cover, computes in its dtype too
         if _ANY_AUTOCAST() and torch.is_autocast_enabled(x.device.type):
             dtype = torch.get_autocast_dtype(x.device.type)
             x, weight = x.to(dtype), weight.to(dtype)
