@@ -17,8 +17,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Phase, event, given, reject, seed, settings
 
-from adaloss.adaptive import AdaptiveTransformError
-from adaloss.adaptive import algorithm5
+from adaloss.adaptive import AdaptiveTransformError, algorithm5
 from adaloss.adaptive import ops as adaptive_ops
 from adaloss.adaptive import transform as adaptive_transform
 from adaloss.adaptive.mutation import MutationError
