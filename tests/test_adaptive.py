@@ -421,7 +421,7 @@ def _train_steps(scaler, model, steps, inject_inf_at=(), seed=0, precision=None,
 
 
 def test_overflow_skips_step_and_recomputes_scales(monkeypatch):
-    from adaloss.adaptive import ops
+    from adaloss.adaptive import algorithm3 as ops
 
     # Which iterations recompute the betas: every beta comes from gemm_loss_scale, called once per layer
     # on a recompute iteration only.
@@ -460,7 +460,7 @@ def test_overflow_skips_step_and_recomputes_scales(monkeypatch):
 
 
 def test_update_every_reuses_betas_between_updates(monkeypatch):
-    from adaloss.adaptive import ops
+    from adaloss.adaptive import algorithm3 as ops
 
     calls = []  # every beta comes from gemm_loss_scale
     original = ops.gemm_loss_scale

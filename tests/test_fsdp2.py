@@ -66,7 +66,7 @@ def _local_rows(grad: torch.Tensor) -> torch.Tensor:
 
 
 def _train(kind: str, rank: int, strategy: str) -> dict:
-    from adaloss.adaptive import ops
+    from adaloss.adaptive import algorithm3 as ops
 
     seen: list[tuple[str, tuple[int, ...]]] = []  # what Algorithm 4's weight statistics read, per GEMM call
     scale = ops.gemm_loss_scale

@@ -216,33 +216,8 @@ def init_distributed(device: str | None = None, timeout_s: float | None = None) 
         raise ConfigError(f"init_distributed(device=...) takes 'cuda' or 'cpu', got {wanted!r}")
     if not present:
         return DistInfo(0, 1, 0, torch.device("cuda" if wanted == "cuda" else "cpu"))
-    missing = [name for name in _ENV if name not in os.environ]
-    if missing:
-        raise ConfigError(
-            f"distributed launch: {', '.join(present)} set but {', '.join(missing)} missing; launch with "
-            "torchrun (which sets RANK, WORLD_SIZE and LOCAL_RANK) or unset them for a single process"
-        )
-    rank, world_size, local_rank = (_env_int(name) for name in _ENV)
-    if world_size < 1:
-        raise ConfigError(f"WORLD_SIZE must be at least 1, got {world_size}")
-    if not 0 <= rank < world_size:
-        raise ConfigError(f"RANK must lie in [0, WORLD_SIZE={world_size}), got {rank}")
-    if local_rank < 0:
-        raise ConfigError(f"LOCAL_RANK must be >= 0, got {local_rank}")
-    if wanted == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError("distributed launch on CUDA requested but no CUDA device is available")
-        if local_rank >= torch.cuda.device_count():
-            raise ConfigError(
-                f"LOCAL_RANK={local_rank} but this host has {torch.cuda.device_count()} CUDA device(s); "
-                "launch at most one process per device (torchrun --nproc_per_node)"
-            )
-        dev = torch.device("cuda", local_rank)
-        torch.cuda.set_device(dev)
-        backend = "nccl"
-    else:
-        dev = torch.device("cpu")
-        backend = "gloo"
+    rank, world_size, local_rank = _env_place(present)
+    dev, backend = _device_and_backend(wanted, local_rank)
     if dist.is_initialized():
         if dist.get_rank() != rank or dist.get_world_size() != world_size:
             raise ConfigError(
@@ -262,6 +237,42 @@ def init_distributed(device: str | None = None, timeout_s: float | None = None) 
         kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(backend=backend, rank=rank, world_size=world_size, **kwargs)
     return DistInfo(rank, world_size, local_rank, dev)
+
+
+def _env_place(present: list[str]) -> tuple[int, int, int]:
+    """``(RANK, WORLD_SIZE, LOCAL_RANK)`` from torchrun's environment (``present``: those of them set, at
+    least one), each checked; a bad environment is a one-line ConfigError."""
+    missing = [name for name in _ENV if name not in os.environ]
+    if missing:
+        raise ConfigError(
+            f"distributed launch: {', '.join(present)} set but {', '.join(missing)} missing; launch with "
+            "torchrun (which sets RANK, WORLD_SIZE and LOCAL_RANK) or unset them for a single process"
+        )
+    rank, world_size, local_rank = (_env_int(name) for name in _ENV)
+    if world_size < 1:
+        raise ConfigError(f"WORLD_SIZE must be at least 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"RANK must lie in [0, WORLD_SIZE={world_size}), got {rank}")
+    if local_rank < 0:
+        raise ConfigError(f"LOCAL_RANK must be >= 0, got {local_rank}")
+    return rank, world_size, local_rank
+
+
+def _device_and_backend(wanted: str, local_rank: int) -> tuple[torch.device, str]:
+    """This process's device and the process group's backend: ``cuda:LOCAL_RANK`` (made the current
+    device) and ``nccl``, or the CPU and ``gloo``."""
+    if wanted != "cuda":
+        return torch.device("cpu"), "gloo"
+    if not torch.cuda.is_available():
+        raise ConfigError("distributed launch on CUDA requested but no CUDA device is available")
+    if local_rank >= torch.cuda.device_count():
+        raise ConfigError(
+            f"LOCAL_RANK={local_rank} but this host has {torch.cuda.device_count()} CUDA device(s); "
+            "launch at most one process per device (torchrun --nproc_per_node)"
+        )
+    dev = torch.device("cuda", local_rank)
+    torch.cuda.set_device(dev)
+    return dev, "nccl"
 
 
 def is_main_process() -> bool:

@@ -115,37 +115,11 @@ class Precision:
             )
         self.name = name
         self.device = torch.device(device)
-        if name == "fp32":
-            self.format: FloatFormat | None = None
-            self.grad_format: FloatFormat | None = None
-        elif name in FP8_PRECISIONS:
-            self.format = get_format("fp16")
-            self.grad_format = get_format(name)
-        elif name in FP4_PRECISIONS:
-            self.format = self.grad_format = get_format("bf16")
-        else:
-            self.format = self.grad_format = get_format(name)
+        self.format, self.grad_format = _formats(name)
         self.telemetry_format = self.grad_format or get_format(telemetry_format)
-        backend = str(backend).strip().lower()
-        if backend not in BACKENDS:
-            raise ConfigError(
-                f"unknown precision.backend '{backend}': choose one of {', '.join(BACKENDS)} "
-                "(e.g. precision.backend=autocast for real half tensors)"
-            )
-        if backend == "autocast" and name in FP8_PRECISIONS + FP4_PRECISIONS:
-            raise ConfigError(
-                f"precision={name} has no autocast (PyTorch has no FP8 or FP4 autocast): use "
-                "precision.backend=emulate or auto"
-            )
-        if backend == "autocast" and name == "fp32":
-            raise ConfigError(
-                "precision.backend=autocast needs a half format (precision=fp16 or bf16); precision=fp32 "
-                "runs plain FP32"
-            )
+        backend = _backend(name, backend, self.device)
         if not isinstance(allow_tf32, bool):
             raise ConfigError(f"precision.allow_tf32 must be true or false, got {allow_tf32!r}")
-        if backend == "auto":
-            backend = "autocast" if self.device.type == "cuda" and name in ("fp16", "bf16") else "emulate"
         self.backend = backend if self.format is not None else "none"
         self.allow_tf32 = allow_tf32
         self.uses_autocast = self.backend == "autocast"
@@ -240,6 +214,42 @@ class Precision:
     def __repr__(self) -> str:
         mode = "autocast" if self.uses_autocast else ("emulated" if self.emulated else "native")
         return f"Precision({self.name}, {self.device}, {mode})"
+
+
+def _formats(name: str) -> tuple[FloatFormat | None, FloatFormat | None]:
+    """The storage format of precision ``name``'s weights and activations, and of its gradients (None:
+    FP32)."""
+    if name == "fp32":
+        return None, None
+    if name in FP8_PRECISIONS:
+        return get_format("fp16"), get_format(name)
+    if name in FP4_PRECISIONS:
+        return get_format("bf16"), get_format("bf16")
+    return get_format(name), get_format(name)
+
+
+def _backend(name: str, backend: Any, device: torch.device) -> str:
+    """``precision.backend`` checked against precision ``name`` (one-line ConfigErrors), ``auto`` resolved:
+    autocast for FP16/BF16 on CUDA, emulation elsewhere."""
+    backend = str(backend).strip().lower()
+    if backend not in BACKENDS:
+        raise ConfigError(
+            f"unknown precision.backend '{backend}': choose one of {', '.join(BACKENDS)} "
+            "(e.g. precision.backend=autocast for real half tensors)"
+        )
+    if backend == "autocast" and name in FP8_PRECISIONS + FP4_PRECISIONS:
+        raise ConfigError(
+            f"precision={name} has no autocast (PyTorch has no FP8 or FP4 autocast): use "
+            "precision.backend=emulate or auto"
+        )
+    if backend == "autocast" and name == "fp32":
+        raise ConfigError(
+            "precision.backend=autocast needs a half format (precision=fp16 or bf16); precision=fp32 "
+            "runs plain FP32"
+        )
+    if backend == "auto":
+        backend = "autocast" if device.type == "cuda" and name in ("fp16", "bf16") else "emulate"
+    return backend
 
 
 def _fp4_capable(module: nn.Module) -> bool:

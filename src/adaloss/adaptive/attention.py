@@ -568,33 +568,10 @@ class AttentionCore(nn.Module):
         *projections, attn_mask, key_padding_mask = args
         cfg = self.config
         e, heads = self.embed_dim, self.num_heads
-        if cfg["layout"] == "packed":
-            proj = projections[0].unflatten(-1, (3, e)).unsqueeze(0).transpose(0, -2).squeeze(-2).contiguous()
-            q, k, v = proj[0], proj[1], proj[2]
-        elif cfg["layout"] == "kv":
-            q = projections[0]
-            kv = projections[1].unflatten(-1, (2, e)).unsqueeze(0).transpose(0, -2).squeeze(-2).contiguous()
-            k, v = kv[0], kv[1]
-        else:
-            q, k, v = projections
+        q, k, v = self._split(projections)
         tgt_len, bsz, _ = q.shape
         need_weights = cfg["need_weights"]
-        is_causal = cfg["is_causal"]
-        if is_causal is None:  # the encoder/decoder's hint: detect a causal mask, as they do
-            is_causal = _is_causal_mask(attn_mask, tgt_len)
-        key_padding_mask = _float_mask(key_padding_mask, q.dtype, "key_padding_mask")
-        if is_causal and attn_mask is None:
-            raise RuntimeError(
-                f"nn.MultiheadAttention '{self.name}': need attn_mask if specifying the is_causal hint"
-            )
-        if is_causal and key_padding_mask is None and not need_weights:
-            attn_mask = None
-        else:
-            attn_mask = _float_mask(attn_mask, q.dtype, "attn_mask")
-            if key_padding_mask is not None:
-                is_causal = False
-        if attn_mask is not None and attn_mask.dim() == 2:
-            attn_mask = attn_mask.unsqueeze(0)
+        attn_mask, key_padding_mask, is_causal = self._masks(attn_mask, key_padding_mask, tgt_len, q.dtype)
         head_dim = e // heads
         q = q.view(tgt_len, bsz * heads, head_dim).transpose(0, 1)
         k = k.view(k.shape[0], bsz * heads, head_dim).transpose(0, 1)
@@ -625,6 +602,42 @@ class AttentionCore(nn.Module):
         v = v.view(bsz, heads, src_len, head_dim)
         out = self._sdpa(q, k, v, attn_mask, dropout_p, is_causal)
         return out.permute(2, 0, 1, 3).reshape(bsz * tgt_len, e), None
+
+    def _split(self, projections: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The query, key and value from the projections' outputs (one packed, key and value packed, or
+        three), as ``F.multi_head_attention_forward`` splits them."""
+        e, layout = self.embed_dim, self.config["layout"]
+        if layout == "packed":
+            proj = projections[0].unflatten(-1, (3, e)).unsqueeze(0).transpose(0, -2).squeeze(-2).contiguous()
+            return proj[0], proj[1], proj[2]
+        if layout == "kv":
+            kv = projections[1].unflatten(-1, (2, e)).unsqueeze(0).transpose(0, -2).squeeze(-2).contiguous()
+            return projections[0], kv[0], kv[1]
+        q, k, v = projections
+        return q, k, v
+
+    def _masks(
+        self, attn_mask: Any, key_padding_mask: Any, tgt_len: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, bool]:
+        """The attention mask (3-D, or None where the causal hint replaces it), the key padding mask as a
+        float mask, and whether the call is causal, as ``F.multi_head_attention_forward`` decides them."""
+        is_causal = self.config["is_causal"]
+        if is_causal is None:  # the encoder/decoder's hint: detect a causal mask, as they do
+            is_causal = _is_causal_mask(attn_mask, tgt_len)
+        key_padding_mask = _float_mask(key_padding_mask, dtype, "key_padding_mask")
+        if is_causal and attn_mask is None:
+            raise RuntimeError(
+                f"nn.MultiheadAttention '{self.name}': need attn_mask if specifying the is_causal hint"
+            )
+        if is_causal and key_padding_mask is None and not self.config["need_weights"]:
+            attn_mask = None
+        else:
+            attn_mask = _float_mask(attn_mask, dtype, "attn_mask")
+            if key_padding_mask is not None:
+                is_causal = False
+        if attn_mask is not None and attn_mask.dim() == 2:
+            attn_mask = attn_mask.unsqueeze(0)
+        return attn_mask, key_padding_mask, is_causal
 
     def _explicit(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float

@@ -1,40 +1,33 @@
-"""The numerical core of adaptive loss scaling (Zhao et al., section 3): Algorithms 3, 4, 5 as autograd ops.
+"""The autograd front ends of adaptive loss scaling (Zhao et al., section 3): the nodes around Algorithm 3.
 
-Backpropagation carries the pair ``<alpha, delta>``: ``delta`` is the gradient already multiplied by the
-accumulated scale ``alpha`` (Algorithm 3). Autograd only passes gradients, so the alphas travel beside them,
-in the device tensors of :class:`~adaloss.adaptive.state.ScaleBuffers`: every GEMM point and every branch
-point writes the alpha of the gradient it emits into its own slot, and reads the alpha of the gradient it
-receives from the slot of whichever point emitted it (that wiring is static and comes from
-:mod:`adaloss.adaptive.transform`; :mod:`adaloss.adaptive.state` holds it). Element-wise ops sit between
-points and pass alpha through unchanged (section 3.2.2), so they need no code at all.
+The arithmetic is elsewhere, once: Algorithm 3's ``<alpha, delta>`` backward in
+:mod:`adaloss.adaptive.algorithm3`, Algorithm 4 (a point's local scale ``beta``) in
+:mod:`adaloss.adaptive.rules`, Algorithm 5 (branches) in :mod:`adaloss.adaptive.algorithm5`, and the GEMM's
+numbers (autocast, emulated rounding, FP8 quantizer sites, FP4 GEMMs, telemetry probes) in
+:class:`~adaloss.adaptive.gemm_numerics.GemmNumerics`. The classes here are ``torch.autograd.Function``
+nodes the transform (:mod:`adaloss.adaptive.transform`) puts in the model; each keeps what its backward pass
+needs, reads the kind of pass (:func:`_pass_kind`, the one place that does), and calls the core:
 
-* :class:`ScaledGEMM` (conv, linear): receives ``delta_j`` scaled by ``alpha_j``; computes the local scale
-  ``beta`` from the statistics of its weight and ``delta_j`` (Algorithm 4, :func:`gemm_beta` and
-  :mod:`adaloss.adaptive.rules`); computes the input gradient as ``Backprop(beta * delta_j)``, the scaled
-  gradient stored in the gradient format (so an FP16 overflow of ``beta * delta_j`` is an overflow, as in
-  FP16 training; scaling the weight instead would overflow wherever ``beta * W`` does) and emits
-  ``alpha_j * beta``; computes the weight gradient from ``delta_j`` and multiplies it by ``alpha_{N+1} /
-  alpha_j`` in FP32, so every parameter gradient leaves the backward pass carrying the root scale
-  ``alpha_{N+1}``, as under ``torch.amp.GradScaler`` (``unscale_`` then divides by it).
-* :class:`ScaledProduct` (an activation-by-activation product, an attention call): the same
-  ``Backprop(beta * delta_j)`` with the beta of :func:`product_beta` (Algorithm 4 with the other operand in
-  the weight's place); no weight gradient.
-* :class:`Rescale` (branches, Algorithm 5): all gradients flowing into one tensor arrive together; they are
-  brought to one common alpha (:func:`branch_scales`, :func:`~adaloss.adaptive.rules.branch_loss_scale`)
-  and summed, the rescaling fused into the sum.
+* :class:`ScaledGEMM` (conv, linear, grouped GEMM): :func:`~adaloss.adaptive.algorithm3.gemm_backward`.
+* :class:`ScaledProduct` (an activation-by-activation product, an attention call):
+  :func:`~adaloss.adaptive.algorithm3.product_backward`; its operands are :class:`MatmulOperands` and
+  :class:`AttentionOperands`.
+* :class:`Rescale` (branches): :func:`~adaloss.adaptive.algorithm5.rescale`.
 * :class:`ParamUnscale`: any other use of a parameter (a batch norm's affine parameters, a tied
-  embedding), brought to the root scale by its own alpha; for a module fed directly by a conv or linear
-  layer (a batch norm after a conv), that layer's :class:`ScaledGEMM` node does it instead.
+  embedding), :func:`~adaloss.adaptive.algorithm3.params_to_root`; for a module fed directly by a conv or
+  linear layer (a batch norm after a conv), that layer's :class:`ScaledGEMM` node does it instead.
+* :class:`GradRound` and :class:`GradProbe`: numerics nodes (the gradient format's rounding, telemetry).
 
 One implementation for every device, eager or compiled: on a recompute pass the statistics, betas and
 alphas are 0-dim tensors on the gradients' device, written into the scale buffers in place; on a reuse
 pass each op reads its beta, branch factors and ``alpha_{N+1} / alpha_j`` there. No host sync, no
 host-to-device copy and no Python float from a scale in any backward pass; no backward pass writes Python
 state (what eager passes note besides, :func:`_pass_kind`, is not traced). Each op keeps the pass kind of
-its forward pass (``ctx.kind``), so a compiled model has one graph per kind. The ops run with torch-function
-modes disabled (under the CPU emulation's mode, every tensor op and even ``.dtype`` inside them would take a
-Python round trip), and, eagerly, a branch adds its inputs' gradients in place into the gradient a GEMM
-point made for it, as autograd's own accumulation would, instead of allocating a rescaled copy.
+its forward pass (``ctx.kind``, :func:`_keep_pass_kind`), so a compiled model has one graph per kind. The ops
+run with torch-function modes disabled (under the CPU emulation's mode, every tensor op and even ``.dtype``
+inside them would take a Python round trip), and, eagerly, a branch adds its inputs' gradients in place into
+the gradient a GEMM point made for it, as autograd's own accumulation would, instead of allocating a
+rescaled copy.
 """
 
 from __future__ import annotations
@@ -43,18 +36,10 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from adaloss.adaptive.gemms import grouped_mm, grouped_wgrad
-from adaloss.adaptive.rules import (
-    ScaleRule,
-    Statistics,
-    branch_loss_scale,
-    gemm_bounds,
-    gemm_loss_scale,
-    max_magnitude,
-    statistics,
-)
+from adaloss.adaptive import algorithm3, algorithm5
+from adaloss.adaptive.algorithm3 import product_beta
+from adaloss.adaptive.gemm_numerics import GemmNumerics
 from adaloss.adaptive.state import (
     AdaptiveState,
     BranchPoint,
@@ -63,7 +48,6 @@ from adaloss.adaptive.state import (
 )
 from adaloss.numerics.emulation import active_emulation, is_low_precision, mark_low_precision
 from adaloss.numerics.formats import round_to_format
-from adaloss.numerics.fp4_gemm import conv_geometry
 from adaloss.numerics.quantizers import quantize_grad
 
 __all__ = [
@@ -81,11 +65,6 @@ __all__ = [
     "UnscalePoint",
     "product_beta",
 ]
-
-
-def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype Algorithm 4's statistics of a tensor are taken in: float64 for float64, else float32."""
-    return torch.float64 if dtype is torch.float64 else torch.float32
 
 
 def _pass_kind(ctx: Any, where: str) -> str:
@@ -106,98 +85,27 @@ def _pass_kind(ctx: Any, where: str) -> str:
     return ctx.kind
 
 
-def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` on ``device`` (a model spread over devices reads the scale buffers from another one)."""
-    return t if t.device == device else t.to(device)
-
-
-def _read(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A scale read from the buffers for use in this backward pass: a view of the buffer, or a copy in a
-    pass that builds a graph (``create_graph=True``), which saves what it multiplies by: the buffer is
-    written in place later (autograd would refuse the changed tensor)."""
-    t = _on(t, device)
-    return t.clone() if torch.is_grad_enabled() else t
-
-
-def _unit(state: AdaptiveState, part: int, index: int) -> bool:
-    """Whether an eager reuse pass may skip a multiplication: the scale (``part`` 0: a beta, 1: a branch
-    factor, 2: a ``to_root`` factor) is exactly 1 by the host's flags, read once after the last recompute
-    (``AdaptiveState.note_units``). Never traced: a compiled pass multiplies by every scale."""
-    if torch.compiler.is_compiling():  # first: a traced read of ``units`` would guard the graph on it
-        return False
-    units = state.units
-    return units is not None and units[part][index]
-
-
-def _emit(state: AdaptiveState, slot: int, alpha: torch.Tensor) -> None:
-    """A recompute pass's point emits ``alpha`` into ``slot``: ``alpha[slot]`` and ``to_root[slot]`` are
-    written in place (two small device ops; readers of the slot run later in the same backward pass)."""
-    buf = state.buffers
-    alpha = _on(alpha, buf.device)
-    buf.alpha[slot].copy_(alpha)
-    buf.to_root[slot].copy_(buf.alpha[0] / alpha)
-
-
-def _root_factor(state: AdaptiveState, kind: str, slot: int, device: torch.device) -> torch.Tensor | None:
-    """``alpha_{N+1} / alpha`` of slot ``slot`` (a 0-dim device tensor), or None where it is 1 by
-    construction (slot 0, and every slot of a plain pass): what brings a gradient carrying that alpha to
-    the root scale, as every parameter gradient leaves the backward pass (exact: powers of two)."""
-    if kind == "plain" or slot == 0 or (kind == "reuse" and _unit(state, 2, slot)):
-        return None
-    return _read(state.buffers.to_root[slot], device)
-
-
-# --------------------------------------------------------------------------------------------------------
-# GEMM
-
-
-_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
-_CONV_T = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
-# one call that says whether any device's autocast is on (most passes: no), before the per-device question
-_ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
-
-
-def _conv_forward(x, w, b, spec):
-    return _CONV[spec["dims"]](x, w, b, spec["stride"], spec["padding"], spec["dilation"], spec["groups"])
-
-
-def _conv_transpose_forward(x, w, b, spec):
-    conv = _CONV_T[spec["dims"]]
-    return conv(
-        x, w, b, spec["stride"], spec["padding"], spec["output_padding"], spec["groups"], spec["dilation"]
-    )
-
-
-def _conv_backward(grad, x, w, spec, mask):
-    # ``.default`` skips the overload resolution of the packet (a few microseconds per call)
-    # the bias sizes (the output's channels) only where the bias gradient is asked for: the compiler's
-    # shape function needs them then
-    bias_sizes = [grad.shape[1]] if mask[2] else None
-    return torch.ops.aten.convolution_backward.default(grad, x, w, bias_sizes, *spec["backward_args"], mask)
+def _keep_pass_kind(ctx: Any, state: AdaptiveState) -> None:
+    """A forward pass keeps the kind of pass it runs in (``ctx.state``, ``ctx.kind``) for its backward pass,
+    which reads it through :func:`_pass_kind`."""
+    ctx.state, ctx.kind = state, state.kind
 
 
 class ScaledGEMM(torch.autograd.Function):
-    """A conv or linear layer whose backward pass is Algorithm 3 with Algorithm 4's local scale.
+    """A conv or linear layer whose backward pass is Algorithm 3 with Algorithm 4's local scale
+    (:func:`adaloss.adaptive.algorithm3.gemm_backward`), its numbers those of a
+    :class:`~adaloss.adaptive.gemm_numerics.GemmNumerics`.
 
     ``spec`` describes the layer (``kind``: "linear" | "conv" | "conv_transpose" | "grouped", strides,
     padding, ...; a grouped GEMM's ``offs``: one beta for all its groups, see docs/transform.md).
-    In emulation it rounds like :class:`~adaloss.numerics.emulation.EmulatedAutocast` would around a GEMM:
-    the weight copy, the output, the beta-scaled gradient used for the input gradient, and the weight
-    gradient before it is brought to the root scale in the FP32 master gradient; the incoming gradient
-    arrives already rounded (and counted for telemetry) by the :class:`GradRound` node on its output. Under
-    autocast (CUDA, or the CPU's own FP16/BF16) it computes in the autocast dtype explicitly, backward pass
-    included. ``record`` (grad mode was on at the call) gives an FP8 recipe's weight and bias gradients
-    their quantizer sites. ``carried``: the parameters of the module the layer feeds directly
+    ``record`` (grad mode was on at the call) gives an FP8 recipe's weight and bias gradients their quantizer
+    sites. The incoming gradient arrives already rounded (and counted for telemetry) by the
+    :class:`GradRound` node on its output. ``carried``: the parameters of the module the layer feeds directly
     (``GemmPoint.carried``, a batch norm after a conv); the node returns a view of each beside ``y`` and
     brings their gradients to the root scale as :class:`ParamUnscale` would (the module's backward pass
     runs just before this one, and its gradient carries this layer's ``alpha_j``): one Python node fewer
-    per such module.
-
-    Per backward call, beyond what the plain layer does: on a recompute pass the weight's and the gradient's
-    statistics (four reductions), the beta arithmetic (about ten 0-dim ops,
-    :meth:`adaloss.adaptive.rules.ScaleRule.beta`) and the writes of beta and the emitted alpha; on every
-    pass one multiply of the incoming gradient by beta and one of the weight gradient by ``alpha_{N+1} /
-    alpha_j`` (none where that is 1 by construction, or on a plain pass). No host sync.
+    per such module. The cost of a backward call beyond the plain layer's: see
+    :func:`~adaloss.adaptive.algorithm3.gemm_backward`. No host sync.
     """
 
     @staticmethod
@@ -205,7 +113,7 @@ class ScaledGEMM(torch.autograd.Function):
         ctx, x, weight, bias, point: GemmPoint, state: AdaptiveState, spec: dict, record: bool, *carried
     ):
         # Torch-function modes (the CPU emulation's) off: every op here, even ``.dtype``, would otherwise
-        # take a Python round trip through the mode; the emulation's rounding is done explicitly below.
+        # take a Python round trip through the mode; the emulation's rounding is done explicitly.
         with torch._C.DisableTorchFunction():
             y = ScaledGEMM._forward(ctx, x, weight, bias, point, state, spec, record)
             if not carried:
@@ -215,50 +123,10 @@ class ScaledGEMM(torch.autograd.Function):
 
     @staticmethod
     def _forward(ctx, x, weight, bias, point, state, spec, record):
-        emu = active_emulation()
-        fmt = emu.fmt if emu is not None else None
-        # With a gradient format, GradRound (applied to this op's output by AdaptiveGEMM) rounds the incoming
-        # gradient and feeds the probe; without one (FP32 telemetry) the probe is fed here.
-        ctx.grad_fmt = emu.grad_fmt if emu is not None else None
-        ctx.probe = emu.probe_for(point.name) if emu is not None and ctx.grad_fmt is None else None
-        ctx.point, ctx.state, ctx.spec, ctx.kind = point, state, spec, state.kind
-        ctx.x_dtype = x.dtype
-        ctx.w_dtype = weight.dtype  # the master weight's dtype: parameter gradients are returned in it
-        # Under autocast (any device type: CUDA, or the CPU's real FP16/BF16 kernels) the layer computes in
-        # the autocast dtype, and so does its backward pass, which autocast does not cover: cast explicitly.
-        if _ANY_AUTOCAST() and torch.is_autocast_enabled(x.device.type):
-            dtype = torch.get_autocast_dtype(x.device.type)
-            x, weight = x.to(dtype), weight.to(dtype)
-            bias = bias.to(dtype) if bias is not None else None
-        if fmt is not None:
-            if not is_low_precision(x):  # usually already stored in the format by its producer
-                x = round_to_format(x, fmt)
-            weight = round_to_format(weight, fmt)
-            bias = round_to_format(bias, fmt) if bias is not None else None
-        # With an FP8 recipe's quantizer (precision.grad_scaling) the weight and bias gradients are stored
-        # through it, each at a site of its own, as the plain emulation stores them (None: plain rounding).
-        sites = (None, None)
-        if emu is not None and emu.grad_quantizer is not None and record:
-            sites = (emu.grad_site(weight), emu.grad_site(bias) if bias is not None else None)
-        ctx.sites = sites
-        ctx.fp4, ctx.fp4_geometry = _fp4_of(emu, point, spec, x, weight)
-        if ctx.fp4 is not None:
-            ctx.fp4_probe = emu.probe_for(point.name)
-            if ctx.fp4_geometry is None:
-                y = ctx.fp4.forward(x, weight, bias)
-            else:
-                y = ctx.fp4.conv_forward(x, weight, bias, ctx.fp4_geometry)
-        elif spec["kind"] == "linear":
-            y = F.linear(x, weight, bias)
-        elif spec["kind"] == "conv":
-            y = _conv_forward(x, weight, bias, spec)
-        elif spec["kind"] == "grouped":
-            y = grouped_mm(x, weight, spec["offs"])
-        else:
-            y = _conv_transpose_forward(x, weight, bias, spec)
-        if fmt is not None:
-            y = mark_low_precision(round_to_format(y, fmt))
-        ctx.has_bias = bias is not None
+        ctx.point = point
+        _keep_pass_kind(ctx, state)
+        ctx.numerics = GemmNumerics(point.name, spec, record)
+        y, x, weight = ctx.numerics.forward(x, weight, bias)
         ctx.save_for_backward(x, weight)
         return y
 
@@ -269,167 +137,20 @@ class ScaledGEMM(torch.autograd.Function):
                 return ScaledGEMM._backward(ctx, delta)
             grads = ScaledGEMM._backward(ctx, delta) if delta is not None else (None,) * 7
             kind = _pass_kind(ctx, ctx.point.name)
-            return (*grads, *_to_root_each(ctx.state, kind, ctx.point.carried, carried))
+            return (*grads, *algorithm3.params_to_root(ctx.state, kind, ctx.point.carried, carried))
 
     @staticmethod
     def _backward(ctx, delta):
         # ``delta`` is already in the gradient format (GradRound rounded it).
         x, w = ctx.saved_tensors
-        point, state = ctx.point, ctx.state
+        point, state, numerics = ctx.point, ctx.state, ctx.numerics
         kind = _pass_kind(ctx, point.name)
-        if ctx.probe is not None:
-            ctx.probe.record(delta)
-        if delta.dtype != w.dtype:
-            delta = delta.to(w.dtype)
-        beta = _point_beta(state, kind, point, delta.device, lambda a: gemm_beta(state, point, w, delta, a))
-        to_root = _root_factor(state, kind, point.in_slot, delta.device)
-        return ScaledGEMM._gradients(ctx, delta, x, w, to_root, beta)
-
-    @staticmethod
-    def _gradients(ctx, delta, x, w, to_root, beta):
-        """Input, weight and bias gradients from the (rounded) ``delta`` and the layer's beta (Algorithm 3).
-
-        The input gradient is ``Backprop(beta * delta)``: the gradient is scaled, stored in the gradient
-        format (an FP16 product beyond 65504 becomes infinite, as in FP16 training), then multiplied by the
-        weight. The weight and bias gradients come from ``delta``, are rounded to the gradient format, and
-        are multiplied by ``to_root = alpha_{N+1} / alpha_j`` in the master dtype, so that they carry the
-        root scale as every parameter gradient does (exact: a power of two). None for either: 1.
-        """
-        point, state, spec, grad_fmt = ctx.point, ctx.state, ctx.spec, ctx.grad_fmt
-        grad_x = grad_w = grad_b = None
-        needs = ctx.needs_input_grad
-        need_x = needs[0]
-        need_w = needs[1] or (ctx.has_bias and needs[2])
-        need_b = need_w and ctx.has_bias
-        scaled = delta
-        if need_x and beta is not None:
-            scaled = delta * beta  # a 0-dim float32 beta: the product keeps delta's dtype
-            # Stored in the gradient format. Under a quantizer's scales ``delta`` is already a stored value
-            # (payload times its scale), and ``beta * delta`` is that payload with the scale times beta, a
-            # power of two: rounding it again without the scale would flush what the scale kept.
-            if grad_fmt is not None and ctx.sites[0] is None:
-                scaled = round_to_format(scaled, grad_fmt)
-        if ctx.fp4 is not None:  # FP4 operands (adaloss.numerics.fp4_gemm); the weight gradient in FP32
-            grad_x, grad_w, grad_b = _fp4_gradients(ctx, delta, scaled, x, w, need_x, need_w)
-        elif spec["kind"] == "linear":
-            if need_x:
-                grad_x = scaled.matmul(w)
-            if need_w:
-                d2 = delta.reshape(-1, delta.shape[-1])
-                grad_w = d2.t().matmul(x.reshape(-1, x.shape[-1]))
-                grad_b = d2.sum(0) if ctx.has_bias else None
-        elif spec["kind"] == "grouped":  # one beta for every group: the input gradient is one tensor
-            if need_x:
-                grad_x = grouped_mm(scaled.contiguous(), w.transpose(-2, -1), spec["offs"])
-            if need_w:
-                grad_w = grouped_wgrad(x, delta.contiguous(), spec["offs"], w.shape[0])
-        elif scaled is not delta:
-            grad_x = _conv_backward(scaled, x, w, spec, [True, False, False])[0]
-            if need_w:
-                _, grad_w, grad_b = _conv_backward(delta, x, w, spec, [False, True, need_b])
-        else:
-            # One call for both: the weight gradient depends on delta and x only, not on the weight.
-            grad_x, grad_w, grad_b = _conv_backward(delta, x, w, spec, [need_x, need_w, need_b])
-        if need_x:
-            if grad_x.dtype is not ctx.x_dtype:
-                grad_x = grad_x.to(ctx.x_dtype)
-            if point.feeds is not None and not torch.compiler.is_compiling():
-                state.fresh[point.feeds] = grad_x
-        if need_w:
-            grad_w = _to_root(grad_w, grad_fmt, ctx.w_dtype, to_root, ctx.sites[0])
-            if grad_b is not None:
-                grad_b = _to_root(grad_b, grad_fmt, ctx.w_dtype, to_root, ctx.sites[1])
+        need = numerics.wanted(ctx.needs_input_grad)
+        grad_x, grad_w, grad_b = algorithm3.gemm_backward(numerics, state, kind, point, delta, x, w, need)
+        # A gradient made for a branch alone: the branch may add the others into it (Rescale).
+        if need[0] and point.feeds is not None and not torch.compiler.is_compiling():
+            state.fresh[point.feeds] = grad_x
         return grad_x, grad_w, grad_b, None, None, None, None
-
-
-def _fp4_of(emu: Any, point: GemmPoint, spec: dict, x: torch.Tensor, w: torch.Tensor) -> tuple[Any, Any]:
-    """The FP4 GEMMs (:class:`~adaloss.numerics.fp4_gemm.FP4Gemm`) that run this layer and, for a conv, its
-    im2col geometry: ``(None, None)`` where the layer stays in the base format (not an FP4 layer, or a
-    conv other than a batched 2-D one with ``groups=1``)."""
-    fp4 = emu.fp4 if emu is not None else None
-    if fp4 is None or not fp4.applies(point.name):
-        return None, None
-    if spec["kind"] == "linear":
-        return fp4, None
-    if spec["kind"] != "conv" or spec["dims"] != 2 or spec["groups"] != 1 or x.dim() != 4:
-        return None, None
-    return fp4, conv_geometry(w, spec["stride"], spec["padding"], spec["dilation"])
-
-
-def _fp4_gradients(
-    ctx: Any, delta: torch.Tensor, scaled: torch.Tensor, x: torch.Tensor, w: torch.Tensor, need_x, need_w
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """Input, weight and bias gradients of an FP4 layer: dgrad of the beta-scaled ``scaled``, wgrad of
-    ``delta`` (in that order, as :class:`~adaloss.numerics.fp4_gemm.FP4Linear` draws its stochastic
-    rounding), in FP32; a conv's through im2col (:meth:`~adaloss.numerics.fp4_gemm.FP4Gemm.conv_dgrad`)."""
-    fp4, geometry, probe = ctx.fp4, ctx.fp4_geometry, ctx.fp4_probe
-    grad_x = grad_w = grad_b = None
-    if geometry is not None:
-        if need_x:
-            grad_x = fp4.conv_dgrad(scaled, w, x.shape, geometry, probe)
-        if need_w:
-            grad_w = fp4.conv_wgrad(delta, x, geometry, probe)
-            grad_b = delta.sum((0, 2, 3)) if ctx.has_bias else None
-        return grad_x, grad_w, grad_b
-    d2 = delta.reshape(-1, delta.shape[-1])
-    if need_x:
-        grad_x = fp4.dgrad(scaled.reshape(d2.shape), w, probe).reshape(*delta.shape[:-1], -1)
-    if need_w:
-        grad_w = fp4.wgrad(d2, x.reshape(-1, x.shape[-1]), probe)
-        grad_b = d2.sum(0) if ctx.has_bias else None
-    return grad_x, grad_w, grad_b
-
-
-def _point_beta(
-    state: AdaptiveState, kind: str, point: GemmPoint, device: torch.device, compute: Any
-) -> torch.Tensor | None:
-    """GEMM point ``point``'s beta in a pass of ``kind``: on a recompute pass ``compute(alpha_j)``
-    (Algorithm 4), written into ``beta[k]`` and emitted as ``alpha_j * beta``; on a reuse pass ``beta[k]``
-    as the last recompute wrote it; None (1) on a plain pass. A 0-dim float32 device tensor. The scales
-    are constants of the backward pass (powers of two): computed without a graph even under
-    ``create_graph=True``."""
-    if kind == "plain":
-        return None
-    buf = state.buffers
-    if kind == "reuse":
-        return None if _unit(state, 0, point.index) else _read(buf.beta[point.index], device)
-    with torch.no_grad():
-        alpha_j = _on(buf.alpha[point.in_slot], device)
-        beta = compute(alpha_j)
-        buf.beta[point.index].copy_(_on(beta, buf.device))
-        _emit(state, point.out_slot, alpha_j * beta)
-    return beta
-
-
-def gemm_beta(
-    state: AdaptiveState, point: GemmPoint, w: torch.Tensor, delta: torch.Tensor, alpha_j: torch.Tensor
-) -> torch.Tensor:
-    """Algorithm 4 at GEMM point ``point``: :func:`adaloss.adaptive.rules.gemm_loss_scale` with the point's
-    constants, the gradient's statistics all-reduced under DDP. No host sync and no host-to-device copy."""
-    return gemm_loss_scale(
-        w, delta, state.rule, alpha_in=alpha_j, constants=point.constants, reduce_fn=state.reduce_fn
-    )
-
-
-def _to_root(
-    grad: torch.Tensor,
-    grad_fmt: Any,
-    master: torch.dtype,
-    to_root: torch.Tensor | None,
-    site: Any = None,
-) -> torch.Tensor:
-    """A parameter gradient computed from ``delta``: stored in the gradient format (through ``site``'s
-    quantizer under an FP8 recipe, :func:`adaloss.numerics.quantizers.quantize_grad`), cast to the master
-    dtype and multiplied by ``alpha_{N+1} / alpha_j`` (None: 1), in place where the tensor is fresh."""
-    if grad_fmt is not None:
-        grad = quantize_grad(grad, grad_fmt, site)
-    if grad.dtype != master:
-        grad = grad.to(master)
-    if to_root is None:
-        return grad
-    if grad._base is not None:  # a view (e.g. of a reshaped matmul): do not write into its base
-        return grad * to_root
-    return grad.mul_(to_root)
 
 
 class GradRound(torch.autograd.Function):
@@ -485,24 +206,6 @@ def _param_views(ctx: Any, params: tuple[torch.Tensor, ...]) -> tuple[torch.Tens
     return views
 
 
-def _to_root_each(
-    state: AdaptiveState,
-    kind: str,
-    points: tuple[UnscalePoint, ...],
-    grads: tuple[torch.Tensor | None, ...],
-) -> list[torch.Tensor | None]:
-    """Each parameter gradient of a use times ``alpha_{N+1} / alpha`` of its point, in its own dtype (none
-    where the factor is 1 by construction; None stays None). Call with torch-function modes off."""
-    out: list[torch.Tensor | None] = []
-    for point, grad in zip(points, grads, strict=True):
-        if grad is not None:
-            factor = _root_factor(state, kind, point.in_slot, grad.device)
-            if factor is not None:
-                grad = grad * factor
-        out.append(grad)
-    return out
-
-
 class ParamUnscale(torch.autograd.Function):
     """Identity on the parameters of one use outside a GEMM point (:class:`UnscalePoint`: a batch norm's
     affine parameters, a tied embedding), one point per parameter; the backward pass multiplies each
@@ -517,7 +220,8 @@ class ParamUnscale(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, points: tuple[UnscalePoint, ...], state: AdaptiveState, *params):  # type: ignore[override]
-        ctx.points, ctx.state, ctx.kind = points, state, state.kind
+        ctx.points = points
+        _keep_pass_kind(ctx, state)
         ctx.set_materialize_grads(False)  # a parameter without a gradient from this use gets None, not zeros
         with torch._C.DisableTorchFunction():  # as in ScaledGEMM.forward (``requires_grad`` included)
             return _param_views(ctx, params)
@@ -526,7 +230,7 @@ class ParamUnscale(torch.autograd.Function):
     def backward(ctx, *grads):  # type: ignore[override]
         with torch._C.DisableTorchFunction():
             kind = _pass_kind(ctx, ctx.points[0].name)
-            return (None, None, *_to_root_each(ctx.state, kind, ctx.points, grads))
+            return (None, None, *algorithm3.params_to_root(ctx.state, kind, ctx.points, grads))
 
 
 class GradProbe(torch.autograd.Function):
@@ -555,55 +259,6 @@ class GradProbe(torch.autograd.Function):
 
 # --------------------------------------------------------------------------------------------------------
 # Activation-by-activation products
-
-
-def product_beta(
-    pairs: list[tuple[torch.Tensor, float, int, torch.Tensor]],
-    rule: ScaleRule,
-    alpha_in: torch.Tensor | float,
-    reduce_fn: Any = None,
-) -> torch.Tensor:
-    """The beta of an activation-by-activation product: Algorithm 4's bounds for each input gradient the
-    product makes, with the other operand in the weight's place (:func:`adaloss.adaptive.rules.statistics`,
-    :func:`~adaloss.adaptive.rules.gemm_bounds`), combined into one scale for all of them
-    (:meth:`~adaloss.adaptive.rules.ScaleRule.beta`).
-
-    ``pairs``: per input gradient ``(operand, multiplier, F, delta)``: the operand it is multiplied by (times
-    the Python float ``multiplier``, e.g. attention's ``1/sqrt(d)``), its backward fan-in, and the gradient it
-    is computed from. Each gives Algorithm 4's underflow bound ``lower_i`` and overflow bound ``upper_i``
-    (module docstring of :mod:`adaloss.adaptive.rules`; the layer constants come from the operand's size, so
-    they are Python floats, constants of a traced graph, not scales). The product's beta is the rule's beta
-    for ``lower = max_i lower_i`` and ``upper = min_i upper_i``: as large as the most demanding input asks, as
-    long as no input passes its own overflow bound (the branch point all of them would otherwise need,
-    Algorithm 5, decided with the bounds instead of the gradients, which exist only after the product's
-    backward). Bounded, rounded down to a power of two and 1 for an all-zero or non-finite gradient, as every
-    beta. Under ``torch.distributed`` (``reduce_fn``) every tensor's second moment and max are combined over
-    the ranks first, as the activations differ between ranks. Cost: two reductions per tensor and a few scalar
-    ops; no host sync.
-    """
-    lowers, uppers = [], []
-    seen: dict[int, Statistics] = {}  # a tensor in several pairs is read once
-
-    def stats(t: torch.Tensor) -> Statistics:
-        if id(t) not in seen:
-            seen[id(t)] = statistics(_dense_on_cpu(t), reduce_fn)
-        return seen[id(t)]
-
-    for w, multiplier, fan_in, delta in pairs:
-        a_const, b_const = rule.layer_constants(w.numel(), fan_in)
-        lower_constant = rule.lower_constant(a_const / multiplier, delta.numel())
-        lower, upper = gemm_bounds(stats(w), stats(delta), lower_constant, b_const / multiplier)
-        lowers.append(lower)
-        uppers.append(upper)
-    return rule.beta(torch.stack(lowers).amax(), torch.stack(uppers).amin(), alpha_in)
-
-
-def _dense_on_cpu(t: torch.Tensor) -> torch.Tensor:
-    """``t``, copied first if it is a strided view on the CPU (the heads of a split projection): the norm's
-    strided CPU path takes 3.5x the copy and the norm together (tiny GPT's keys, 131,072 floats: 117 us
-    against 33 us, one core). Elsewhere the view is reduced as it is (unmeasured there, and the copy would
-    be one more pass)."""
-    return t.contiguous() if t.device.type == "cpu" and not t.is_contiguous() else t
 
 
 class _Operands:
@@ -736,7 +391,7 @@ class AttentionOperands(_Operands):
 
 class ScaledProduct(torch.autograd.Function):
     """Algorithm 3 at an activation-by-activation product: ``Backprop(beta * delta)``, beta from
-    :func:`product_beta`.
+    :func:`~adaloss.adaptive.algorithm3.product_beta` (:func:`~adaloss.adaptive.algorithm3.product_backward`).
 
     The transform wires a product like a GEMM point (a :class:`GemmPoint` of kind "product"): the gradient
     of its output arrives with ``alpha_j``, and every input gradient it makes leaves with ``alpha_j *
@@ -754,7 +409,8 @@ class ScaledProduct(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y, point: GemmPoint, state: AdaptiveState, operands: Any, round_fmt: Any, *tensors):  # type: ignore[override]
-        ctx.point, ctx.state, ctx.operands, ctx.kind = point, state, operands, state.kind
+        ctx.point, ctx.operands = point, operands
+        _keep_pass_kind(ctx, state)
         with torch._C.DisableTorchFunction():
             ctx.save_for_backward(*tensors)  # the operands' tensors (``_Operands.take``)
             if round_fmt is None:
@@ -766,16 +422,8 @@ class ScaledProduct(torch.autograd.Function):
         with torch._C.DisableTorchFunction():
             point, state, operands = ctx.point, ctx.state, ctx.operands.give(ctx.saved_tensors)
             kind = _pass_kind(ctx, point.name)
-            pairs: list = []
-
-            def compute(alpha: torch.Tensor) -> torch.Tensor:
-                pairs.extend(operands.pairs(delta))
-                return product_beta(pairs, state.rule, alpha, state.reduce_fn)
-
-            beta = _point_beta(state, kind, point, delta.device, compute)
-            operands.record(delta, beta, pairs)
-            nones = (None,) * (len(ctx.needs_input_grad) - 1)
-            return ((delta if beta is None else delta * beta), *nones)
+            scaled = algorithm3.product_backward(state, kind, point, delta, operands)
+            return (scaled, *(None,) * (len(ctx.needs_input_grad) - 1))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -783,7 +431,8 @@ class ScaledProduct(torch.autograd.Function):
 
 
 class Rescale(torch.autograd.Function):
-    """Identity in the forward pass; in the backward pass, Algorithm 5 over the gradients of its outputs.
+    """Identity in the forward pass; in the backward pass, Algorithm 5 over the gradients of its outputs
+    (:func:`adaloss.adaptive.algorithm5.rescale`).
 
     For a tensor with n consumers the transform calls ``Rescale.apply(point, state, n, x)`` and hands one
     of the n outputs to each consumer, so the n gradients arrive here together; each is brought to the
@@ -794,7 +443,8 @@ class Rescale(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, point: BranchPoint, state: AdaptiveState, copies: int, *xs):  # type: ignore[override]
-        ctx.point, ctx.state, ctx.kind = point, state, state.kind
+        ctx.point = point
+        _keep_pass_kind(ctx, state)
         ctx.shared = copies > 1
         # An output no gradient reaches (a head the loss does not use) arrives as None, not as zeros: its
         # consumer emitted no alpha, and it must not count in Algorithm 5.
@@ -824,7 +474,6 @@ class Rescale(torch.autograd.Function):
         if not present:
             return (None, None, None, *(grads[:1] if ctx.shared else grads))
         kind = _pass_kind(ctx, point.name)
-        factor = dict(zip(present, _branch_factors(state, kind, point, grads, present), strict=True))
         # A gradient made by a GEMM point feeding this branch directly is ours to write into (eagerly).
         owned = None
         if state.fresh and not torch.compiler.is_compiling():
@@ -832,78 +481,4 @@ class Rescale(torch.autograd.Function):
                 t = state.fresh.pop((point.index, i), None)
                 if owned is None and t is not None and t is grads[i]:
                     owned = i
-        if not ctx.shared:
-            out: list[torch.Tensor | None] = list(grads)
-            for i in present:
-                if factor[i] is not None:
-                    out[i] = grads[i].mul_(factor[i]) if i == owned else grads[i] * factor[i]
-            return (None, None, None, *out)
-        order = present if owned is None else [owned, *(i for i in present if i != owned)]
-        total, fresh = None, False
-        if owned is not None:
-            total, fresh = grads[owned], True
-            if factor[owned] is not None:
-                total = total.mul_(factor[owned])
-        for i in order[1 if owned is not None else 0 :]:
-            total, fresh = _accumulate(total, fresh, grads[i], factor[i])
-        return None, None, None, total
-
-
-def _branch_factors(
-    state: AdaptiveState, kind: str, point: BranchPoint, grads: tuple, present: list[int]
-) -> list[torch.Tensor | None]:
-    """The factors that bring branch ``point``'s present incoming gradients to its common alpha: Algorithm
-    5 on a recompute pass (:func:`branch_scales`), the buffers' on a reuse pass, None (1) on a plain pass;
-    0-dim device tensors on the gradients' device."""
-    if kind == "plain":
-        return [None] * len(present)
-    device = grads[present[0]].device
-    if kind == "recompute":
-        with torch.no_grad():
-            return list(_on(branch_scales(state, point, grads, present), device).unbind(0))
-    factors, start = state.buffers.branch_factors, point.offset
-    return [None if _unit(state, 1, start + i) else _read(factors[start + i], device) for i in present]
-
-
-def branch_scales(state: AdaptiveState, point: BranchPoint, grads: tuple, present: list[int]) -> torch.Tensor:
-    """Algorithm 5 (:func:`adaloss.adaptive.rules.branch_loss_scale`) at branch ``point`` on a recompute
-    pass: the common alpha of its present incoming gradients and the factor of each, written into the
-    buffers (common alpha, factors, whether they differ) and emitted; returns the factors. No host sync."""
-    buf = state.buffers
-    a = torch.stack([buf.alpha[point.in_slots[i]] for i in present])
-    m = torch.stack([_on(max_magnitude(grads[i]), buf.device) for i in present]).float()
-    if state.reduce_fn is not None:
-        m = state.reduce_fn(None, m)[1]
-    common = branch_loss_scale(a, m, state.u_max, state.rule.name)
-    vec = common / a
-    k, start = point.index, point.offset
-    buf.branch_alpha[k].copy_(common)
-    buf.rescaled[k].copy_((a != common).any())
-    if len(present) == len(grads):
-        buf.branch_factors[start : start + len(grads)].copy_(vec)
-    else:  # element by element: indexing with a list would copy host data to the device
-        for i, v in zip(present, vec.unbind(0), strict=True):
-            buf.branch_factors[start + i].copy_(v)
-    _emit(state, point.out_slot, common)
-    return vec
-
-
-def _accumulate(
-    total: torch.Tensor | None, fresh: bool, grad: torch.Tensor, factor: torch.Tensor | None
-) -> tuple[torch.Tensor, bool]:
-    """``total + factor * grad`` in one pass (``total`` is None for the first term; ``factor`` None: 1);
-    never writes ``grad``.
-
-    ``fresh`` says whether ``total`` was made here (then it is updated in place). ``factor`` is a power of
-    two, so ``factor * grad`` is exact and the fused op rounds once, as a separate multiply and add would.
-    Returns the new total and whether it is fresh.
-    """
-    if factor is None:
-        if total is None:
-            return grad, False
-        return (total.add_(grad), True) if fresh else (total + grad, True)
-    if total is None:
-        return grad * factor, True
-    if fresh:
-        return total.addcmul_(grad, factor), True
-    return torch.addcmul(total, grad, factor), True
+        return (None, None, None, *algorithm5.rescale(state, kind, point, grads, present, ctx.shared, owned))

@@ -7,8 +7,8 @@ A reader holding the paper finds here, by name:
   ``||x||`` and ``max|x|``), :func:`gemm_bounds` (the underflow and overflow bounds from the weight's and
   the gradient's statistics) and :meth:`ScaleRule.beta` (the bounds and caps combined by the rule and
   rounded down to a power of two). A GEMM layer calls :func:`gemm_loss_scale`; an activation-by-activation
-  product (:func:`adaloss.adaptive.ops.product_beta`) calls the three steps with the other operand in the
-  weight's place; the root scale (``AdaptiveLossScaler.root_target``) calls the last two with the loss
+  product (:func:`adaloss.adaptive.algorithm3.product_beta`) calls the three steps with the other operand in
+  the weight's place; the root scale (``AdaptiveLossScaler.root_target``) calls the last two with the loss
   gradient's counted quantile as its lower bound.
 * **Algorithm 5**, ``GetBranchLossScale``: :func:`branch_loss_scale`.
 
@@ -16,7 +16,7 @@ Each is written once, in torch ops, and runs on every device (the CPU emulation 
 synchronizes host and device.
 
 Algorithm 3, the backward pass that carries ``<alpha, delta>`` and applies these scales, is
-:class:`adaloss.adaptive.ops.ScaledGEMM` (GEMM layers) and :class:`adaloss.adaptive.ops.Rescale` (branches).
+:mod:`adaloss.adaptive.algorithm3`; Algorithm 5 at a branch point, :mod:`adaloss.adaptive.algorithm5`.
 
 Two rules (:class:`ScaleRule`, ``scaler.rule``):
 

@@ -547,27 +547,10 @@ class EmulatedAutocast(TorchFunctionMode):
             return func(*args, **kwargs)
         kind = self._classify(func)
         fmt = self.fmt
-
         if kind == "gemm":
-            probe = self.probe_for(LAYER_NAMES.current)
-            if fmt is not None:
-                args = tuple(self._cast_input(a) for a in args)
-                kwargs = {k: self._cast_input(v) for k, v in kwargs.items()}
-            if self.fp4 is not None and self.fp4.applies(LAYER_NAMES.current):
-                out = self._fp4_gemm(_op_name(func), args, kwargs, probe)
-                if out is not None:
-                    return out
-            out = func(*args, **kwargs)
-            if isinstance(out, torch.Tensor) and out.is_floating_point():
-                if fmt is None and probe is None:
-                    return out
-                conv = _op_name(func).startswith(("conv", "_conv"))  # blocks along channels, see grad_site
-                return round_value(out, fmt, probe, self.grad_fmt, block_dim=1 if conv else -1)
-            return out
-
+            return self._gemm(func, args, kwargs)
         if fmt is None:  # FP32 telemetry: only GEMM outputs are probed
             return func(*args, **kwargs)
-
         if kind in ("fp32", "fp32_inplace"):
             return func(*args, **kwargs)
         if kind == "to_fp32":
@@ -575,7 +558,6 @@ class EmulatedAutocast(TorchFunctionMode):
         if kind == "to_lowp":
             out = func(*args, **kwargs)
             return round_value(out.float(), fmt, None, self.grad_fmt) if out.is_floating_point() else out
-
         inputs = _float_tensors(args, kwargs)
         out = func(*args, **kwargs)
         if not inputs:
@@ -587,8 +569,32 @@ class EmulatedAutocast(TorchFunctionMode):
             # unless every input is 0-dim.
             dimensioned = [t for t in inputs if t.dim() > 0] or inputs
             lowp = all(is_low_precision(t) for t in dimensioned)
-        if not lowp:
-            return out
+        return self._store(kind, out) if lowp else out
+
+    def _gemm(self, func, args: tuple, kwargs: dict):
+        """A GEMM (matmul, linear, conv) under the mode: inputs stored in the format, an FP4 layer's GEMM
+        through its FP4 operands, the output stored in the format and counted by the layer's probe."""
+        fmt = self.fmt
+        probe = self.probe_for(LAYER_NAMES.current)
+        if fmt is not None:
+            args = tuple(self._cast_input(a) for a in args)
+            kwargs = {k: self._cast_input(v) for k, v in kwargs.items()}
+        if self.fp4 is not None and self.fp4.applies(LAYER_NAMES.current):
+            out = self._fp4_gemm(_op_name(func), args, kwargs, probe)
+            if out is not None:
+                return out
+        out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor) and out.is_floating_point():
+            if fmt is None and probe is None:
+                return out
+            conv = _op_name(func).startswith(("conv", "_conv"))  # blocks along channels, see grad_site
+            return round_value(out, fmt, probe, self.grad_fmt, block_dim=1 if conv else -1)
+        return out
+
+    def _store(self, kind: str, out: Any) -> Any:
+        """The output ``out`` of a non-GEMM op of ``kind`` whose inputs were stored in the format: marked as
+        stored (an exact op), rounded in place (an in-place op), or rounded (every floating output)."""
+        fmt = self.fmt
         if kind.startswith("exact"):
             return self._mark_outputs(out)
         if kind.endswith("_inplace"):
