@@ -277,7 +277,7 @@ class DynamicLossScaler(LossScaler):
             if self._hysteresis_tracker > 1:
                 self._hysteresis_tracker -= 1  # tolerated: the step was skipped, the scale stays
             else:
-                self._set_loss_scale(backed_off(self._loss_scale, self._backoff_factor, self._min_scale))
+                self._set_loss_scale(backed_off(self._current_scale(), self._backoff_factor, self._min_scale))
             return
         if self._consecutive_hysteresis:
             self._hysteresis_tracker = self._hysteresis
@@ -285,7 +285,7 @@ class DynamicLossScaler(LossScaler):
         if self._growth_tracker >= self._growth_interval:  # >=: the interval may have been lowered
             self._growth_tracker = 0
             self._hysteresis_tracker = self._hysteresis
-            self._set_loss_scale(grown(self._loss_scale, self._growth_factor, self._max_scale))
+            self._set_loss_scale(grown(self._current_scale(), self._growth_factor, self._max_scale))
 
     def _update_chainer(self, found_inf: bool) -> None:
         """Chainer's rule, in its float64 arithmetic (chainer/optimizer.py, ``Optimizer.update_loss_scale``;
@@ -353,7 +353,7 @@ class DynamicLossScaler(LossScaler):
             if self._rule == "chainer"
             else f"growth_tracker={self._growth_tracker}, hysteresis_tracker={self._hysteresis_tracker}"
         )
-        return f"DynamicLossScaler(rule={self._rule}, scale={self._loss_scale:g}, {tail})"
+        return f"DynamicLossScaler(rule={self._rule}, scale={self._current_scale():g}, {tail})"
 
 
 def backed_off(scale: float, factor: float, min_scale: float) -> float:
