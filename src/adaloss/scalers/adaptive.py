@@ -154,12 +154,17 @@ class AdaptiveLossScaler(LossScaler):
     ``is_enabled()``; ``get_growth_interval``/``set_growth_interval`` for the regrowth of a lowered
     ``alpha_{N+1}``; ``get_growth_factor()`` is 2.0 and ``get_backoff_factor()`` 0.5, fixed: ``alpha_{N+1}``
     stays a power of two, so every gradient unscales exactly (their setters accept only those values).
-    Host-device syncs: ``scale``, ``unscale_``, ``recompute_next``, the getters and setters: none;
-    ``step``: one (the Inf/NaN flag); ``update``: one on a step that recomputed the scales (with
-    ``update_every > 1``: which of them are exactly 1), one more on a step that measured the loss gradient
-    (``root="adaptive"``), else none; ``layer_scales``/``layer_betas``: one for both per recompute;
-    ``branch_rescaled``: one; ``state_dict``: one; the attached model's forward pass: one when the
-    parameters' ``requires_grad`` flags changed since the last recompute (to read which points have scales).
+    Host-device syncs: ``scale``, ``unscale_``, ``recompute_next``, the growth and backoff getters and
+    setters: none; ``step``: one (the Inf/NaN flag); ``update``: one on a step that recomputed the scales
+    (with ``update_every > 1``: which of them are exactly 1), one on a step that measured the loss gradient
+    (``root="adaptive"``), one on a step that moves ``alpha_{N+1}`` (a backoff, a growth), else none;
+    ``get_scale``: one (``alpha_{N+1}`` lives in the scale buffers, as GradScaler's in ``_scale``);
+    ``snapshot``, ``layer_scales``, ``layer_betas`` (none given a snapshot), ``branch_rescaled``,
+    ``state_dict``: one each; the attached model's forward pass: one when the parameters' ``requires_grad``
+    flags changed since the last recompute (to read which points have scales).
+
+    The options can also be given as one :class:`~adaloss.scalers.recipe.AdaptiveRecipe` (where each is
+    declared, with its default and check): ``AdaptiveLossScaler.from_recipe(recipe, device)``.
 
     Args:
         device (str or torch.device, optional, default=None): As GradScaler's first argument (see
@@ -222,7 +227,9 @@ class AdaptiveLossScaler(LossScaler):
         # the arguments, what a copy is built from (``__getstate__``)
         self._options = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         options = {k: v for k, v in self._options.items() if k not in ("device", "enabled")}
-        self._configure(AdaptiveRecipe(**options), device, enabled)
+        recipe = AdaptiveRecipe(**options)
+        super().__init__(device, init_scale=2.0 ** math.floor(math.log2(recipe.init_scale)), enabled=enabled)
+        self._configure(recipe)
 
     @classmethod
     def from_recipe(
@@ -232,11 +239,9 @@ class AdaptiveLossScaler(LossScaler):
         options = {f: getattr(recipe, f) for f in AdaptiveRecipe.__dataclass_fields__}
         return cls(device, enabled=enabled, **options)
 
-    def _configure(self, recipe: AdaptiveRecipe, device: str | torch.device | None, enabled: bool) -> None:
+    def _configure(self, recipe: AdaptiveRecipe) -> None:
         """Set up from the checked ``recipe`` (``self.recipe``, the options as parsed)."""
         self.recipe = recipe
-        init_scale = recipe.init_scale
-        super().__init__(device, init_scale=2.0 ** math.floor(math.log2(init_scale)), enabled=enabled)
         self.fmt, self.product_betas, self.root = recipe.fmt, recipe.product_betas, recipe.root
         self.u_min, self.u_max = recipe.thresholds()
         self.t_uf, self.update_every = recipe.t_uf, recipe.update_every
