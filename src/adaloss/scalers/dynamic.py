@@ -90,7 +90,10 @@ class DynamicLossScaler(LossScaler):
       overflow has happened yet) are checkpointed, so a resumed run continues Chainer's sequence exactly.
     * No hysteresis: ``hysteresis`` must be 1. Chainer keeps no growth count, so ``growth_tracker`` stays 0.
 
-    The update runs on the host from the Inf/NaN flag ``step()`` has already read, so it adds no sync.
+    The update runs on the host from the Inf/NaN flag ``step()`` has already read; under the torch rule it
+    reads the scale (one sync) only on a step that changes it (a backoff, a growth), and the chainer rule
+    computes from its float64 value, so it adds no sync. The scale itself is one device tensor
+    (``LossScaler``), written afresh on a change.
 
     Compared with DeepSpeed's ``DynamicLossScaler`` (deepspeed/runtime/fp16/loss_scaler.py), whose
     ``scale_window``, ``delayed_shift``, ``consecutive_hysteresis`` and ``min_scale`` are our
