@@ -41,6 +41,7 @@ def _trained(steps: int = 6) -> tuple[AdaptiveLossScaler, nn.Module, torch.optim
     torch.manual_seed(1)
     for i in range(steps):
         _step(scaler, model, optimizer, blow_up=i >= steps - 2)
+        scaler.layer_scales()  # as telemetry reads them after every step: a snapshot, kept while valid
     return scaler, model, optimizer
 
 
@@ -117,20 +118,41 @@ def test_the_base_scalers_keep_their_scale_in_one_device_tensor() -> None:
 
 
 def test_a_snapshot_is_one_host_read_and_feeds_every_report(monkeypatch: pytest.MonkeyPatch) -> None:
-    scaler, _, _ = _trained()
+    scaler, model, _ = _trained()
+    still = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler.recompute_next()  # a step that writes the buffers: the next snapshot is a new read
+    _step(scaler, model, still)
     reads = HostReads(monkeypatch)
     before = reads.count
     snap = scaler.snapshot()
     assert reads.since(before) == 1
     before = reads.count
     scales, betas = scaler.layer_scales(snap), scaler.layer_betas(snap)
-    assert reads.since(before) == 0  # read from the snapshot
     assert scales and betas and set(scales) == set(betas)
-    assert scales == scaler.layer_scales() and betas == scaler.layer_betas()
-    before = reads.count
+    assert scales == scaler.layer_scales() and betas == scaler.layer_betas()  # the same snapshot, kept
     state = scaler.state_dict()
-    assert reads.since(before) == 1  # the scale, every beta, branch factor and alpha: one read
-    assert state["scale"] == snap.root
+    assert reads.since(before) == 0  # the scale, every beta, branch factor and alpha: that snapshot
+    assert state["scale"] == snap.root == scaler.get_scale()
+    scaler.recompute_next()
+    _step(scaler, model, still)
+    before = reads.count
+    assert scaler.state_dict()["scale"] == scaler.snapshot().root
+    assert reads.since(before) == 1  # written again by the recompute: one new read
+
+
+def test_a_new_root_scale_shows_in_the_next_report_and_checkpoint() -> None:
+    """The snapshot kept for reuse steps is dropped when update() moves alpha_{N+1}: a growth on a reuse
+    step shows at once in state_dict() (a stale host copy would keep the old one)."""
+    scaler = AdaptiveLossScaler(init_scale=8.0, update_every=100, growth_interval=2)
+    model = scaler.attach(_model())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    roots = []
+    for blow_up in (True, True, False, False, False, False):
+        _step(scaler, model, optimizer, blow_up=blow_up)
+        scaler.layer_scales()  # telemetry after every step
+        roots.append(scaler.state_dict()["scale"])
+        assert roots[-1] == scaler.get_scale() == scaler.state.buffers.alpha[0].item()
+    assert roots == [8.0, 4.0, 4.0, 8.0, 8.0, 8.0]  # backed off after two overflows, grown back
 
 
 def test_reuse_steps_read_nothing_on_the_host_but_the_overflow_flag(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -19,7 +19,8 @@ state computed after the forward (a plain pass, eager only, is read at the backw
 
 The host reads the buffers in one place, :meth:`AdaptiveState.snapshot` (one device-to-host copy of all of
 them): reporting, telemetry and checkpoints take their values from it; nothing else keeps a host copy of a
-scale. The one derived host cache, ``units`` (which scales are exactly 1, so an eager reuse pass can skip
+scale. What the host derives from the buffers, the last snapshot (kept for the reuse steps after it, which
+do not change the buffers) and ``units`` (which scales are exactly 1, so an eager reuse pass can skip
 multiplying by them without a sync), is dropped in one place (:meth:`AdaptiveState.scales_written`) whenever
 the buffers are written other than by reuse passes.
 """
@@ -287,6 +288,7 @@ class AdaptiveState:
         # factors are exactly 1 (note_units), so an eager reuse pass skips multiplying by those without a
         # sync; None: unknown (dropped by scales_written, the one place, whenever the buffers change)
         self.units: tuple[list[bool], list[bool], list[bool]] | None = None
+        self._snapshot: ScaleSnapshot | None = None  # the last snapshot(), until the buffers are written
 
     @property
     def gemms(self) -> list[GemmPoint]:
@@ -351,10 +353,13 @@ class AdaptiveState:
             for t in (buf.beta, buf.branch_alpha, buf.branch_factors):
                 t.fill_(math.nan)
 
-    def scales_written(self) -> None:
-        """The buffers' betas, branch factors or alphas are about to change (a recompute pass, a restored
-        checkpoint): drop ``units``, the one host value derived from them. Host-side."""
-        self.units = None
+    def scales_written(self, root_only: bool = False) -> None:
+        """The buffers are about to change (a recompute pass, a restored checkpoint; ``root_only``: a new
+        ``alpha_{N+1}``, which ``units`` does not cover): drop what the host derived from them, the last
+        snapshot and ``units``. The one place they are dropped. Host-side."""
+        self._snapshot = None
+        if not root_only:
+            self.units = None
 
     def note_units(self) -> None:
         """Read which betas, branch factors and ``to_root`` factors are exactly 1 (``units``), if unknown: one
@@ -379,11 +384,16 @@ class AdaptiveState:
         return bool(torch.stack(flags).any())
 
     def snapshot(self) -> ScaleSnapshot | None:
-        """Every scale in the buffers, read to the host at once: one device-to-host copy (one host sync).
-        What reporting, telemetry and checkpoints read; None before the buffers exist."""
+        """Every scale in the buffers, read to the host at once: one device-to-host copy (one host sync),
+        kept until the buffers are next written (:meth:`scales_written`; reuse passes do not write them), so
+        reading it again before then costs none. What reporting, telemetry and checkpoints read; None before
+        the buffers exist. Read it after the backward pass, not between ``scale()`` and the end of a recompute
+        pass (the buffers are being written then)."""
         buf = self.buffers
         if buf is None:
             return None
+        if self._snapshot is not None:
+            return self._snapshot
         parts = [
             buf.alpha,
             buf.beta,
@@ -399,7 +409,8 @@ class AdaptiveState:
             start += len(t)
         alpha, beta, branch_alpha, factors, rescaled, (carried,) = values
         flags = [f != 0 for f in rescaled]
-        return ScaleSnapshot(self.points, alpha, beta, branch_alpha, factors, flags, carried)
+        self._snapshot = ScaleSnapshot(self.points, alpha, beta, branch_alpha, factors, flags, carried)
+        return self._snapshot
 
     def rescaled(self, index: int) -> torch.Tensor | None:
         """Whether branch ``index``'s incoming gradients had different alphas at the last recompute (a 0-dim

@@ -159,9 +159,11 @@ class AdaptiveLossScaler(LossScaler):
     (with ``update_every > 1``: which of them are exactly 1), one on a step that measured the loss gradient
     (``root="adaptive"``), one on a step that moves ``alpha_{N+1}`` (a backoff, a growth), else none;
     ``get_scale``: one (``alpha_{N+1}`` lives in the scale buffers, as GradScaler's in ``_scale``);
-    ``snapshot``, ``layer_scales``, ``layer_betas`` (none given a snapshot), ``branch_rescaled``,
-    ``state_dict``: one each; the attached model's forward pass: one when the parameters' ``requires_grad``
-    flags changed since the last recompute (to read which points have scales).
+    ``snapshot`` and what reads it (``layer_scales``, ``layer_betas``, ``branch_rescaled``,
+    ``loss_scale_metric``, ``state_dict``): one, the first time after the buffers were written (a recompute,
+    a new ``alpha_{N+1}``, a loaded state), none again until then; the attached model's forward pass: one
+    when the parameters' ``requires_grad`` flags changed since the last recompute (to read which points
+    have scales).
 
     The options can also be given as one :class:`~adaloss.scalers.recipe.AdaptiveRecipe` (where each is
     declared, with its default and check): ``AdaptiveLossScaler.from_recipe(recipe, device)``.
@@ -392,6 +394,7 @@ class AdaptiveLossScaler(LossScaler):
         from then on (nothing else keeps it). A device copy, no sync."""
         root = self._scale_holder()
         self.state = state
+        state.scales_written(root_only=True)
         if root is None:
             state.buffers.alpha[0].fill_(self._init_scale)
         else:
@@ -482,6 +485,7 @@ class AdaptiveLossScaler(LossScaler):
     def _store_scale(self, value: float) -> None:
         """A new ``alpha_{N+1}``, written in place into its buffer (fixed address). No sync."""
         if self.state is not None and self.state.buffers is not None:
+            self.state.scales_written(root_only=True)
             self.state.buffers.alpha[0].fill_(value)
         else:
             super()._store_scale(value)
@@ -692,24 +696,25 @@ class AdaptiveLossScaler(LossScaler):
 
     def snapshot(self) -> ScaleSnapshot | None:
         """Every scale of the attached model, ``alpha_{N+1}`` included, read from its device buffers in one
-        host read (one sync): what :meth:`layer_scales`, :meth:`layer_betas`, :meth:`branch_rescaled`,
-        :meth:`loss_scale_metric` and :meth:`state_dict` report. None before ``attach``."""
+        host read (one sync; none while the buffers are unchanged since the last one): what
+        :meth:`layer_scales`, :meth:`layer_betas`, :meth:`branch_rescaled`, :meth:`loss_scale_metric` and
+        :meth:`state_dict` report. None before ``attach``."""
         return self.state.snapshot() if self.state is not None else None
 
     def layer_scales(self, snapshot: ScaleSnapshot | None = None) -> dict[str, float]:
         """``{layer: alpha}``: the accumulated scale each conv/linear layer's gradient carried in the last
-        backward pass (the scale its weight gradient was divided by). One host sync (:meth:`snapshot`), none
-        given a ``snapshot`` (take one to read this and :meth:`layer_betas` together)."""
+        backward pass (the scale its weight gradient was divided by). Read from :meth:`snapshot` (one host
+        sync after a recompute, none on the reuse steps after it), or from the ``snapshot`` given."""
         return self._scales_and_betas(snapshot)[0]
 
     def layer_betas(self, snapshot: ScaleSnapshot | None = None) -> dict[str, float]:
-        """``{layer: beta}``: each layer's local scale (Algorithm 4) currently in use. One host sync, none
-        given a ``snapshot``."""
+        """``{layer: beta}``: each layer's local scale (Algorithm 4) currently in use. Read from
+        :meth:`snapshot` (shares its one sync), or from the ``snapshot`` given."""
         return self._scales_and_betas(snapshot)[1]
 
     def branch_rescaled(self) -> dict[str, bool]:
         """``{branch: whether its incoming gradients had different alphas}`` at the last recompute, for the
-        branch points a gradient reached then. One host sync."""
+        branch points a gradient reached then. Read from :meth:`snapshot` (shares its one sync)."""
         if self.state is None or self.state.buffers is None or not self.state.branches:
             return {}
         return self.snapshot().branch_rescaled()
