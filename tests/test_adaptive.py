@@ -376,8 +376,8 @@ def test_untraceable_model_gets_a_clear_error():
 
 def test_invalid_options_are_config_errors():
     for kwargs, match in [
-        ({"t_uf": 0}, "strictly between 0 and 1"),
-        ({"t_uf": 1.5}, "strictly between 0 and 1"),
+        ({"t_uf": 0}, r"between 0 and 1 \(exclusive\)"),
+        ({"t_uf": 1.5}, r"between 0 and 1 \(exclusive\)"),
         ({"t_uf": "abc"}, "must be a number"),
         ({"update_every": 0}, "positive integer"),
         ({"init_scale": -1}, "positive number"),

@@ -80,7 +80,7 @@ def _pass_kind(ctx: Any, where: str) -> str:
             state.graph_built = True
         if not state.armed:
             raise RuntimeError(state.unarmed_message(where))
-        if state.plain:
+        if state.kind == "plain":
             return "plain"
     return ctx.kind
 

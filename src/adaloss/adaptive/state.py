@@ -10,16 +10,26 @@ beta and branch factor is one element of a device tensor, which a recompute pass
 writes Python state, so a compiled or captured step reads the same addresses on every replay
 (``torch.compile(..., fullgraph=True)`` traces it; a CUDA graph replays it).
 
-The kind of each backward pass (:data:`PASS_KINDS`) is fixed before its forward pass, by the scaler
-(``AdaptiveState.kind``: from the iteration counter and the last step's outcome, both known on the host
-without a sync), and each op keeps the kind of its forward pass for its backward: one traced graph per
-kind, and no Python branch on state computed after the forward.
+The kind of each pass (:class:`PassKind`) is one value, ``AdaptiveState.kind``: fixed before its forward
+pass by the scaler (from the iteration counter and the last step's outcome, both known on the host without
+a sync), raised to a recompute by :class:`GradSignature`, and set by ``scale()`` for the backward pass it
+arms (a plain pass after one that built a graph; a reuse for the further passes of the iteration). Each op
+keeps the kind of its forward pass for its backward: one traced graph per kind, and no Python branch on
+state computed after the forward (a plain pass, eager only, is read at the backward).
+
+The host reads the buffers in one place, :meth:`AdaptiveState.snapshot` (one device-to-host copy of all of
+them): reporting, telemetry and checkpoints take their values from it; nothing else keeps a host copy of a
+scale. What the host derives from the buffers, the last snapshot (kept for the reuse steps after it, which
+do not change the buffers) and ``units`` (which scales are exactly 1, so an eager reuse pass can skip
+multiplying by them without a sync), is dropped in one place (:meth:`AdaptiveState.scales_written`) whenever
+the buffers are written other than by reuse passes.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 import torch
@@ -32,18 +42,31 @@ __all__ = [
     "BranchPoint",
     "GemmPoint",
     "GradSignature",
+    "PassKind",
     "Points",
     "Reach",
     "ScaleBuffers",
+    "ScaleSnapshot",
     "UnscalePoint",
 ]
 
-#: The kinds of backward pass: ``recompute`` (Algorithms 4 and 5 compute new betas, branch factors and
-#: alphas, written into :class:`ScaleBuffers`), ``reuse`` (the buffers are read: the last recompute's
-#: scales; its alphas stay valid because a change of ``alpha_{N+1}`` always recomputes) and ``plain``
-#: (every beta and branch factor 1: every gradient carries ``alpha_{N+1}``; after a backward pass that built
-#: a graph, GradScaler's gradient-penalty recipe; eager only).
-PASS_KINDS = ("recompute", "reuse", "plain")
+
+class PassKind(StrEnum):
+    """The kind of a pass (a ``str``: ``PassKind.REUSE == "reuse"``).
+
+    ``RECOMPUTE``: Algorithms 4 and 5 compute new betas, branch factors and alphas, written into
+    :class:`ScaleBuffers`; ``REUSE``: the buffers are read (the last recompute's scales; its alphas stay
+    valid because a change of ``alpha_{N+1}`` always recomputes); ``PLAIN``: every beta and branch factor
+    1, every gradient carries ``alpha_{N+1}`` (after a backward pass that built a graph, GradScaler's
+    gradient-penalty recipe; eager only)."""
+
+    RECOMPUTE = "recompute"
+    REUSE = "reuse"
+    PLAIN = "plain"
+
+
+#: The kinds of pass, as strings (``scaler.last_pass`` takes these values).
+PASS_KINDS = tuple(k.value for k in PassKind)
 
 
 @dataclass
@@ -111,7 +134,10 @@ class ScaleBuffers:
     """Every scale of Algorithms 3-5, as float32 device tensors allocated once (their addresses never
     change; a compiled or captured step reads them there).
 
-    ``alpha[s]``: the alpha of the gradient emitted into slot ``s`` (``alpha[0] = alpha_{N+1}``);
+    ``alpha[s]``: the alpha of the gradient emitted into slot ``s`` (``alpha[0] = alpha_{N+1}``, the loss
+    scale itself: the scaler keeps it here and nowhere else once attached); ``carried_root``: the
+    ``alpha_{N+1}`` the last (not plain) backward pass carried, a record for reporting written by
+    :meth:`AdaptiveState.arm` (``alpha[0]`` may have moved on since, at ``update()``);
     ``to_root[s] = alpha[0] / alpha[s]``, what brings a parameter gradient carrying ``alpha[s]`` to the
     root scale; ``beta[k]`` per GEMM point; ``branch_alpha[k]`` (the common alpha) and
     ``rescaled[k]`` (whether the incoming alphas differed) per branch point; ``branch_factors``: each
@@ -127,6 +153,7 @@ class ScaleBuffers:
     branch_alpha: torch.Tensor
     branch_factors: torch.Tensor
     rescaled: torch.Tensor
+    carried_root: torch.Tensor
 
     @classmethod
     def allocate(cls, points: Points, device: torch.device) -> ScaleBuffers:
@@ -145,6 +172,7 @@ class ScaleBuffers:
             branch_alpha=vector(len(points.branches), math.nan),
             branch_factors=vector(n_factors, math.nan),
             rescaled=torch.zeros(len(points.branches), dtype=torch.bool, device=device),
+            carried_root=vector(1, 1.0),
         )
         for t in buffers.tensors().values():
             # fixed addresses, for the compiler too: Inductor's CUDA graphs (mode="reduce-overhead") then
@@ -194,9 +222,9 @@ class GradSignature:
             state.allocate(self.params[0].device)
         if reach.latest != sig:
             reach.latest = sig
-        if state.kind == "reuse" and reach.at_recompute is not None and sig != reach.at_recompute:
+        if state.kind is PassKind.REUSE and reach.at_recompute is not None and sig != reach.at_recompute:
             if state.has_unreached():
-                state.kind = "recompute"
+                state.kind = PassKind.RECOMPUTE
         return None
 
 
@@ -212,12 +240,13 @@ class Reach:
 
 class AdaptiveState:
     """Per-model state of the adaptive scaler: ``rule`` (:class:`ScaleRule`), ``points`` (:class:`Points`,
-    what the transform wired), ``buffers`` (:class:`ScaleBuffers`, every scale, on the model's device),
-    ``kind`` (the pass kind the next forward pass builds, set by the scaler before it), ``plain`` (the
-    coming backward pass is a plain one, eager only), ``reach`` (:class:`Reach`), ``armed`` (``scale()``
-    was called this iteration), ``graph_built`` (a backward pass of this iteration ran with
-    ``create_graph=True``), ``reduce_fn`` (combines statistics over ranks under ``torch.distributed``,
-    else None) and ``fresh`` (gradients a GEMM point made for a branch alone, eager passes only).
+    what the transform wired), ``buffers`` (:class:`ScaleBuffers`, every scale, ``alpha_{N+1}`` included, on
+    the model's device: the only place a scale is kept), ``kind`` (the :class:`PassKind` of the current
+    pass: see the module docstring), ``reach`` (:class:`Reach`), ``armed`` (``scale()`` was called this
+    iteration, so a backward pass may run: not a pass kind), ``graph_built`` (a backward pass of this
+    iteration ran with ``create_graph=True``, which makes the next one plain), ``reduce_fn`` (combines
+    statistics over ranks under ``torch.distributed``, else None) and ``fresh`` (gradients a GEMM point made
+    for a branch alone, eager passes only).
     """
 
     #: ``scale()`` calls of this process's adaptive scalers, attached or not (a clock for ``forward_at``)
@@ -248,17 +277,18 @@ class AdaptiveState:
         self.rule = rule
         self.points = Points()
         self.buffers: ScaleBuffers | None = None
-        self.kind = "recompute"
-        self.plain = False
+        self.kind = PassKind.RECOMPUTE
         self.reach = Reach()
         self.armed = False
         self.forward_at: int | None = None  # scale_calls at the last forward pass with grad (eager)
         self.graph_built = False
         self.reduce_fn: Any = None
         self.fresh: dict[tuple[int, int], torch.Tensor] = {}
-        # which betas, branch factors and to_root factors are exactly 1, as the host last read them (after
-        # a recompute step): an eager reuse pass skips multiplying by those; None: unknown
+        # derived from the buffers, never written beside them: which betas, branch factors and to_root
+        # factors are exactly 1 (note_units), so an eager reuse pass skips multiplying by those without a
+        # sync; None: unknown (dropped by scales_written, the one place, whenever the buffers change)
         self.units: tuple[list[bool], list[bool], list[bool]] | None = None
+        self._snapshot: ScaleSnapshot | None = None  # the last snapshot(), until the buffers are written
 
     @property
     def gemms(self) -> list[GemmPoint]:
@@ -306,26 +336,38 @@ class AdaptiveState:
                 t.copy_(getattr(old, name))
         return self.buffers
 
-    def arm(self, root: torch.Tensor, recompute: bool, plain: bool) -> None:
-        """Called by ``scale(loss)`` before the backward pass: the root scale into ``alpha[0]`` and, on a
-        recompute pass, NaN into the scales it is about to compute (see :class:`ScaleBuffers`). A few
-        device ops, no sync; ``root`` is the scaler's 0-dim scale on the buffers' device."""
-        self.armed, self.plain = True, plain
+    def arm(self, kind: PassKind) -> None:
+        """Called by ``scale(loss)`` before the backward pass it arms, of ``kind``: on a recompute pass, NaN
+        into the scales it is about to compute (see :class:`ScaleBuffers`). Afterwards ``kind`` is what the
+        iteration's further passes are: plain after a plain pass, else reuse (they reuse this pass's betas).
+        A few device ops, no sync (``alpha_{N+1}`` is already in ``alpha[0]``, where the scaler keeps it)."""
+        self.armed = True
         AdaptiveState.note_scale()
-        if plain:
-            return
+        self.kind = PassKind.PLAIN if kind is PassKind.PLAIN else PassKind.REUSE
         buf = self.buffers
-        buf.alpha[0].copy_(root)
-        if recompute:
-            self.units = None
+        if kind is not PassKind.PLAIN:
+            buf.carried_root.copy_(buf.alpha[:1])
+        if kind is PassKind.RECOMPUTE:
+            self.scales_written()
             self.reach.at_recompute = self.reach.latest
             for t in (buf.beta, buf.branch_alpha, buf.branch_factors):
                 t.fill_(math.nan)
 
+    def scales_written(self, root_only: bool = False) -> None:
+        """The buffers are about to change (a recompute pass, a restored checkpoint; ``root_only``: a new
+        ``alpha_{N+1}``, which ``units`` does not cover): drop what the host derived from them, the last
+        snapshot and ``units``. The one place they are dropped. Host-side."""
+        self._snapshot = None
+        if not root_only:
+            self.units = None
+
     def note_units(self) -> None:
-        """Read which betas, branch factors and ``to_root`` factors are exactly 1 (``units``): one host sync,
-        after a recompute step, so that the eager reuse passes until the next recompute skip multiplying by
-        them (the values are still only ever read from the buffers; a compiled pass multiplies by all)."""
+        """Read which betas, branch factors and ``to_root`` factors are exactly 1 (``units``), if unknown: one
+        host sync, after a step that recomputed (or restored) the scales, so that the eager reuse passes
+        until the next recompute skip multiplying by them (the values are still only ever read from the
+        buffers; a compiled pass multiplies by all). No sync while ``units`` is known."""
+        if self.units is not None or self.buffers is None:
+            return
         buf = self.buffers
         flags = torch.cat([buf.beta, buf.branch_factors, buf.to_root]).eq(1.0).cpu().tolist()
         n_beta, n_factor = len(buf.beta), len(buf.branch_factors)
@@ -341,22 +383,34 @@ class AdaptiveState:
             flags.append(buf.branch_alpha[live].isnan().any())
         return bool(torch.stack(flags).any())
 
-    def point_scales(self) -> tuple[list[float | None], list[float | None]]:
-        """Each GEMM point's alpha (of the gradient it receives) and beta, None where no gradient reached
-        it in the last recompute pass: one host sync (reporting only)."""
+    def snapshot(self) -> ScaleSnapshot | None:
+        """Every scale in the buffers, read to the host at once: one device-to-host copy (one host sync),
+        kept until the buffers are next written (:meth:`scales_written`; reuse passes do not write them), so
+        reading it again before then costs none. What reporting, telemetry and checkpoints read; None before
+        the buffers exist. Read it after the backward pass, not between ``scale()`` and the end of a recompute
+        pass (the buffers are being written then)."""
         buf = self.buffers
-        gemms = self.points.gemms
-        if buf is None or not gemms:
-            return [None] * len(gemms), [None] * len(gemms)
-        slots = torch.tensor([p.in_slot for p in gemms], device=buf.device)
-        both = torch.stack([buf.alpha.index_select(0, slots), buf.beta]).cpu().tolist()
-        alphas, betas = both
-
-        def known(values: list[float]) -> list[float | None]:
-            pairs = zip(values, betas, strict=True)
-            return [v if not (math.isnan(v) or math.isnan(b)) else None for v, b in pairs]
-
-        return known(alphas), known(betas)
+        if buf is None:
+            return None
+        if self._snapshot is not None:
+            return self._snapshot
+        parts = [
+            buf.alpha,
+            buf.beta,
+            buf.branch_alpha,
+            buf.branch_factors,
+            buf.rescaled.float(),
+            buf.carried_root,
+        ]
+        flat = torch.cat(parts).tolist()  # the one host read (a device-to-host copy)
+        values, start = [], 0
+        for t in parts:
+            values.append(flat[start : start + len(t)])
+            start += len(t)
+        alpha, beta, branch_alpha, factors, rescaled, (carried,) = values
+        flags = [f != 0 for f in rescaled]
+        self._snapshot = ScaleSnapshot(self.points, alpha, beta, branch_alpha, factors, flags, carried)
+        return self._snapshot
 
     def rescaled(self, index: int) -> torch.Tensor | None:
         """Whether branch ``index``'s incoming gradients had different alphas at the last recompute (a 0-dim
@@ -364,3 +418,65 @@ class AdaptiveState:
         if self.buffers is None:
             return None
         return self.buffers.rescaled[index]
+
+
+@dataclass(frozen=True)
+class ScaleSnapshot:
+    """The scale buffers as the host read them at one moment (:meth:`AdaptiveState.snapshot`): lists of
+    Python floats, NaN where no gradient reached a point in the last recompute pass."""
+
+    points: Points
+    alpha: list[float]
+    beta: list[float]
+    branch_alpha: list[float]
+    branch_factors: list[float]
+    rescaled: list[bool]
+    carried_root: float  # the alpha_{N+1} the last (not plain) backward pass carried
+
+    @property
+    def root(self) -> float:
+        """``alpha_{N+1}``, the loss scale (``alpha[0]``)."""
+        return self.alpha[0]
+
+    def point_scales(self) -> tuple[list[float | None], list[float | None]]:
+        """Each GEMM point's alpha (of the gradient it receives) and beta, None where no gradient reached
+        it in the last recompute pass (a point that received the loss gradient: the ``alpha_{N+1}`` the last
+        backward pass carried)."""
+        betas = self.beta
+        carried = self.carried_alphas()
+        alphas = [carried[p.in_slot] for p in self.points.gemms]
+
+        def known(values: list[float]) -> list[float | None]:
+            pairs = zip(values, betas, strict=True)
+            return [v if not (math.isnan(v) or math.isnan(b)) else None for v, b in pairs]
+
+        return known(alphas), known(betas)
+
+    def branch_rescaled(self) -> dict[str, bool]:
+        """``{branch: whether its incoming gradients had different alphas}`` for the branch points a
+        gradient reached in the last recompute pass."""
+        pairs = zip(self.points.branches, self.branch_alpha, self.rescaled, strict=True)
+        return {p.name: f for p, a, f in pairs if not math.isnan(a)}
+
+    def checkpoint(self) -> dict[str, Any]:
+        """The checkpoint's entries for the scales (``None`` where a point has none)."""
+
+        def known(v: float) -> float | None:
+            return None if math.isnan(v) else v
+
+        branches = self.points.branches
+        return {
+            "layers": [p.name for p in self.points.gemms],
+            "betas": [known(b) for b in self.beta],
+            "branches": [p.name for p in branches],
+            "branch_alphas": [known(a) for a in self.branch_alpha],
+            "branch_factors": [
+                None if math.isnan(a) else self.branch_factors[p.offset : p.offset + len(p.in_slots)]
+                for p, a in zip(branches, self.branch_alpha, strict=True)
+            ],
+            "slot_alphas": self.carried_alphas(),
+        }
+
+    def carried_alphas(self) -> list[float]:
+        """Each slot's alpha as the last backward pass carried it (slot 0: ``carried_root``)."""
+        return [self.carried_root, *self.alpha[1:]]

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +38,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from adaloss.errors import ConfigError
+from adaloss.scalers.base import OptionError
+from adaloss.scalers.recipe import AdaptiveRecipe
 
 __all__ = ["FieldError", "arguments", "check_config", "compose_train", "register", "schema_of"]
 
@@ -372,47 +375,47 @@ class DynamicScalerConf(PartConf):
         positive_int(self, "hysteresis", 1)
 
 
-@dataclass
-class AdaptiveScalerConf(PartConf):
-    _target_: str = "adaloss.scalers.adaptive.AdaptiveLossScaler"
-    name: str = meta("adaptive")
-    rule: str = "reference"
-    t_uf: float = 1.0e-3
-    update_every: int = "${adaptive_recipe.update_every}"  # type: ignore[assignment]
-    # a number, null (no bound) or auto (the class's default: the task's bounds of the reference rule)
-    scale_upper_bound: Any = "${oc.select:adaptive_recipe.${scaler.rule}.scale_upper_bound,null}"
-    accum_upper_bound: Any = "${oc.select:adaptive_recipe.${scaler.rule}.accum_upper_bound,null}"
-    init_scale: float = 1.0
-    allow_below_one: bool = False
-    product_betas: bool = True
-    growth_interval: int = 2000
-    u_min: float | None = None
-    u_max: float | None = None
-    root: str = "fixed"  # how alpha_{N+1} is chosen (configs/scaler/adaptive.yaml)
+#: scaler=adaptive's defaults that a task's recipe sets (``adaptive_recipe``), not the library's
+_ADAPTIVE_FROM_RECIPE = {
+    "update_every": "${adaptive_recipe.update_every}",
+    "scale_upper_bound": "${oc.select:adaptive_recipe.${scaler.rule}.scale_upper_bound,null}",
+    "accum_upper_bound": "${oc.select:adaptive_recipe.${scaler.rule}.accum_upper_bound,null}",
+}
 
-    def __post_init__(self) -> None:
-        choice(self, "rule", ("reference", "paper"))
-        choice(self, "root", ("fixed", "dynamic", "adaptive"))
-        number(self, "t_uf", "1e-3", 0.0, 1.0, low_open=True, high_open=True)
-        positive_int(self, "update_every", 100)
-        for key, example in (("scale_upper_bound", 16), ("accum_upper_bound", 1024)):
-            if getattr(self, key) != "auto":
-                try:
-                    number(self, key, example, 0.0, low_open=True, optional=True)
-                except FieldError as error:
-                    problem = error.problem.replace("or null", "").replace("must be", "")
-                    raise FieldError(
-                        key, f"must be a positive number, null (no bound) or auto; {problem.strip()}", example
-                    ) from None
-        number(self, "init_scale", 1, 0.0, low_open=True)
-        positive_int(self, "growth_interval", 2000)
-        number(self, "u_min", "6e-8", 0.0, low_open=True, optional=True)
-        number(self, "u_max", 65504, 0.0, low_open=True, optional=True)
-        if self.allow_below_one and self.rule != "paper":
-            raise FieldError(
-                "allow_below_one", "=true applies to scaler.rule=paper only (the reference rule never "
-                "shrinks gradients): add scaler.rule=paper, or set", "false",
-            )  # fmt: skip
+
+def _check_adaptive(self: Any) -> None:
+    """scaler=adaptive's values, checked by the library's recipe (the messages its constructor gives)."""
+    values = {}
+    try:
+        for name in _ADAPTIVE_OPTIONS:
+            if not _unset(value := getattr(self, name)):
+                values[name] = AdaptiveRecipe.check(name, value)
+        if "rule" in values and "allow_below_one" in values:
+            AdaptiveRecipe.check_together(values["rule"], values["allow_below_one"])
+    except OptionError as error:
+        raise FieldError(error.field.removeprefix("scaler."), error.problem, error.example) from None
+
+
+#: The options of ``scaler=adaptive``: the library's :class:`~adaloss.scalers.recipe.AdaptiveRecipe` but
+#: ``fmt`` (the precision's format, which the builder passes)
+_ADAPTIVE_OPTIONS = tuple(f.name for f in dataclasses.fields(AdaptiveRecipe) if f.name != "fmt")
+_ADAPTIVE_TYPES = typing.get_type_hints(AdaptiveRecipe)
+#: ``scaler=adaptive``'s node, derived from the recipe: its fields, types and defaults (a task's recipe
+#: sets three), checked by its checks.
+AdaptiveScalerConf = dataclasses.make_dataclass(
+    "AdaptiveScalerConf",
+    [
+        ("_target_", str, field(default="adaloss.scalers.adaptive.AdaptiveLossScaler")),
+        ("name", str, meta("adaptive")),
+        *(
+            (name, _ADAPTIVE_TYPES[name], field(default=_ADAPTIVE_FROM_RECIPE.get(name, f.default)))
+            for f in dataclasses.fields(AdaptiveRecipe)
+            if (name := f.name) in _ADAPTIVE_OPTIONS
+        ),
+    ],
+    bases=(PartConf,),
+    namespace={"__post_init__": _check_adaptive, "__module__": __name__},
+)
 
 
 # precision

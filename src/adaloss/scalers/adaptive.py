@@ -11,15 +11,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from adaloss.adaptive.algorithm3 import root_over
 from adaloss.adaptive.coverage import Coverage, build_coverage, recurrent_layers
-from adaloss.adaptive.rules import NO_BOUND, REFERENCE_FP16_U_MIN, RULES, ScaleRule, Statistics, gemm_bounds
-from adaloss.adaptive.state import AdaptiveState, GradSignature
+from adaloss.adaptive.rules import NO_BOUND, Statistics, gemm_bounds
+from adaloss.adaptive.state import AdaptiveState, GradSignature, PassKind, ScaleSnapshot
 from adaloss.adaptive.transform import attach_adaptive
 from adaloss.errors import ConfigError
 from adaloss.numerics.emulation import is_low_precision, mark_low_precision
-from adaloss.numerics.formats import FloatFormat, get_format
-from adaloss.scalers.base import LossScaler, distributed_world_size
+from adaloss.numerics.formats import FloatFormat
+from adaloss.scalers.base import LossScaler, distributed_world_size, positive_int
 from adaloss.scalers.dynamic import backed_off, grown
+from adaloss.scalers.recipe import ROOTS, AdaptiveRecipe
 
 __all__ = ["ROOTS", "AdaptiveLossScaler"]
 
@@ -30,57 +32,12 @@ _ROOT_FLOOR = 2.0**-24
 #: The loss gradient's binade histogram (root="adaptive"): bin ``e + _BIN_OFFSET`` counts the elements
 #: ``|g| = m 2**e`` (float32's exponents lie in [-148, 128]); the last bin takes the zeros.
 _BINS, _BIN_OFFSET = 300, 160
-#: The values of ``root`` (``scaler.root``): how alpha_{N+1}, the scale of the loss gradient, is chosen.
-ROOTS = ("fixed", "dynamic", "adaptive")
 #: What a checkpoint holds of the scale buffers (``_extra_state``).
 _SCALE_KEYS = ("layers", "betas", "branches", "branch_alphas", "branch_factors", "slot_alphas")
 #: The models attached in this process: their states by token, and what a copy needs to take one over
 #: (``_take_over``): a copy carries its original's token and generation (``__getstate__``).
 _STATES: weakref.WeakValueDictionary[str, AdaptiveState] = weakref.WeakValueDictionary()
 _BINDINGS: weakref.WeakKeyDictionary[AdaptiveState, _Binding] = weakref.WeakKeyDictionary()
-
-
-def _checked(
-    t_uf: Any,
-    update_every: Any,
-    growth_interval: Any,
-    init_scale: Any,
-    fmt: FloatFormat | str | None,
-    rule: Any,
-    allow_below_one: Any,
-    u_min: Any,
-    u_max: Any,
-) -> tuple[float, int, int, float, FloatFormat, str, float, float]:
-    """The adaptive scaler's options checked, each bad one a ``ConfigError`` naming the setting and the
-    fix: ``(t_uf, update_every, growth_interval, init_scale, fmt, rule, u_min, u_max)``, defaults filled."""
-    t_uf = _number(t_uf, "scaler.t_uf")
-    if not 0.0 < t_uf < 1.0:
-        raise ConfigError(f"scaler.t_uf must lie strictly between 0 and 1 (e.g. 1e-3), got {t_uf}")
-    update_every = _integer(update_every, "scaler.update_every")
-    growth_interval = _integer(growth_interval, "scaler.growth_interval")
-    init_scale = _number(init_scale, "scaler.init_scale")
-    if not (math.isfinite(init_scale) and init_scale > 0):
-        raise ConfigError(f"scaler.init_scale must be a positive number (e.g. 1), got {init_scale}")
-    fmt = get_format(fmt if fmt is not None else "fp16")
-    if not isinstance(rule, str) or rule.strip().lower() not in RULES:
-        raise ConfigError(
-            f"scaler.rule must be one of {', '.join(RULES)}, got {rule!r}; e.g. scaler.rule=reference"
-        )
-    rule = rule.strip().lower()
-    if not isinstance(allow_below_one, bool):
-        raise ConfigError(f"scaler.allow_below_one must be true or false, got {allow_below_one!r}")
-    if allow_below_one and rule == "reference":
-        raise ConfigError(
-            "scaler.allow_below_one=true applies to scaler.rule=paper only (under the reference rule "
-            "beta falls below 1 through its overflow and accumulation bounds): drop it or set "
-            "scaler.rule=paper"
-        )
-    default_u_min = REFERENCE_FP16_U_MIN if rule == "reference" and fmt.name == "fp16" else fmt.u_min
-    u_min_ = _number(u_min, "scaler.u_min") if u_min is not None else default_u_min
-    u_max_ = _number(u_max, "scaler.u_max") if u_max is not None else fmt.u_max
-    if not 0 < u_min_ < u_max_:
-        raise ConfigError(f"need 0 < scaler.u_min < scaler.u_max, got {u_min_} and {u_max_}")
-    return t_uf, update_every, growth_interval, init_scale, fmt, rule, u_min_, u_max_
 
 
 class AdaptiveLossScaler(LossScaler):
@@ -198,12 +155,19 @@ class AdaptiveLossScaler(LossScaler):
     ``is_enabled()``; ``get_growth_interval``/``set_growth_interval`` for the regrowth of a lowered
     ``alpha_{N+1}``; ``get_growth_factor()`` is 2.0 and ``get_backoff_factor()`` 0.5, fixed: ``alpha_{N+1}``
     stays a power of two, so every gradient unscales exactly (their setters accept only those values).
-    Host-device syncs: ``scale``, ``unscale_``, ``recompute_next``, the getters and setters: none;
-    ``step``: one (the Inf/NaN flag); ``update``: one on a step that recomputed the scales (with
-    ``update_every > 1``: which of them are exactly 1), one more on a step that measured the loss gradient
-    (``root="adaptive"``), else none; ``layer_scales``/``layer_betas``: one for both per recompute;
-    ``branch_rescaled``: one; ``state_dict``: one; the attached model's forward pass: one when the
-    parameters' ``requires_grad`` flags changed since the last recompute (to read which points have scales).
+    Host-device syncs: ``scale``, ``unscale_``, ``recompute_next``, the growth and backoff getters and
+    setters: none; ``step``: one (the Inf/NaN flag); ``update``: one on a step that recomputed the scales
+    (with ``update_every > 1``: which of them are exactly 1), one on a step that measured the loss gradient
+    (``root="adaptive"``), one on a step that moves ``alpha_{N+1}`` (a backoff, a growth), else none;
+    ``get_scale``: one (``alpha_{N+1}`` lives in the scale buffers, as GradScaler's in ``_scale``);
+    ``snapshot`` and what reads it (``layer_scales``, ``layer_betas``, ``branch_rescaled``,
+    ``loss_scale_metric``, ``state_dict``): one, the first time after the buffers were written (a recompute,
+    a new ``alpha_{N+1}``, a loaded state), none again until then; the attached model's forward pass: one
+    when the parameters' ``requires_grad`` flags changed since the last recompute (to read which points
+    have scales).
+
+    The options can also be given as one :class:`~adaloss.scalers.recipe.AdaptiveRecipe` (where each is
+    declared, with its default and check): ``AdaptiveLossScaler.from_recipe(recipe, device)``.
 
     Args:
         device (str or torch.device, optional, default=None): As GradScaler's first argument (see
@@ -265,41 +229,42 @@ class AdaptiveLossScaler(LossScaler):
     ) -> None:
         # the arguments, what a copy is built from (``__getstate__``)
         self._options = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
-        t_uf, update_every, growth_interval, init_scale, self.fmt, rule, self.u_min, self.u_max = _checked(
-            t_uf, update_every, growth_interval, init_scale, fmt, rule, allow_below_one, u_min, u_max
-        )
-        super().__init__(device, init_scale=2.0 ** math.floor(math.log2(init_scale)), enabled=enabled)
-        if not isinstance(product_betas, bool):
-            raise ConfigError(f"scaler.product_betas must be true or false, got {product_betas!r}")
-        self.product_betas = product_betas
-        self.root = _root_name(root)
-        self.t_uf = t_uf
-        self.update_every = update_every
-        self.allow_below_one = allow_below_one
-        self.rule = ScaleRule(
-            rule,
-            self.u_min,
-            self.u_max,
-            t_uf,
-            allow_below_one,
-            _bound(scale_upper_bound, "scaler.scale_upper_bound", 16.0 if rule == "reference" else None),
-            _bound(accum_upper_bound, "scaler.accum_upper_bound", 1024.0 if rule == "reference" else None),
-        )
-        self.growth_interval = growth_interval
-        self._init_scale = self._loss_scale
+        options = {k: v for k, v in self._options.items() if k not in ("device", "enabled")}
+        recipe = AdaptiveRecipe(**options)
+        super().__init__(device, init_scale=2.0 ** math.floor(math.log2(recipe.init_scale)), enabled=enabled)
+        self._configure(recipe)
+
+    @classmethod
+    def from_recipe(
+        cls, recipe: AdaptiveRecipe, device: str | torch.device | None = None, enabled: bool = True
+    ) -> AdaptiveLossScaler:
+        """The scaler of ``recipe`` (its options, checked when it was made). No host-device sync."""
+        options = {f: getattr(recipe, f) for f in AdaptiveRecipe.__dataclass_fields__}
+        return cls(device, enabled=enabled, **options)
+
+    def _configure(self, recipe: AdaptiveRecipe) -> None:
+        """Set up from the checked ``recipe`` (``self.recipe``, the options as parsed)."""
+        self.recipe = recipe
+        self.fmt, self.product_betas, self.root = recipe.fmt, recipe.product_betas, recipe.root
+        self.u_min, self.u_max = recipe.thresholds()
+        self.t_uf, self.update_every = recipe.t_uf, recipe.update_every
+        self.allow_below_one, self.growth_interval = recipe.allow_below_one, recipe.growth_interval
+        self.rule = recipe.scale_rule()
+        self._ceiling = self._init_scale  # the ceiling of alpha_{N+1} (root="adaptive": the measured one)
         self.state: AdaptiveState | None = None
         self._iteration = 0
+        # a recompute is owed (an overflow, a new alpha_{N+1}, a request, a loaded state): an input of the
+        # plan (_plan), kept in checkpoints; the pass kind itself is AdaptiveState.kind
         self._force_recompute = True
-        self._recomputing = False
-        self._scaled_this_iteration = False
+        self._scaled_this_iteration = False  # scale() was called since update(), attached or not
         self._consecutive_overflows, self._clean_steps = 0, 0
-        self._pending: dict[str, Any] | None = None
-        self._last_pass: str | None = None
-        # host copies of the points' alphas and betas (reporting), kept until the next recompute
-        self._scales_cache: tuple[list[float | None], list[float | None]] | None = None
-        # root="adaptive": whether this iteration measures the loss gradient, what it measured (binade
-        # counts and max magnitude, on the device) and the alpha_{N+1} it was measured at
-        self._measure_root, self._root_stats, self._root_at = False, None, self._loss_scale
+        # a state_dict loaded before attach(), as loaded, until attach() restores it (_restore_loaded)
+        self._loaded: dict[str, Any] | None = None
+        self._last_pass: PassKind | None = None  # the kind of the last backward pass (``last_pass``)
+        # root="adaptive": what this iteration measured of the loss gradient (binade counts and max
+        # magnitude, on the device) and the alpha_{N+1} it was measured at (a 0-dim device tensor)
+        self._root_stats: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._root_at: torch.Tensor | None = None
         self._binding: tuple[str, int] | None = None  # its model's (token, generation): _take_over
 
     # ------------------------------------------------------------------ copies
@@ -348,13 +313,11 @@ class AdaptiveLossScaler(LossScaler):
         if model is None or binding.generation != generation:
             return
         binding.generation += 1
-        self.state, self._attached, self._binding = state, model, (token, binding.generation)
+        self._adopt(state)
+        self._attached, self._binding = model, (token, binding.generation)
         if (root_hook := binding.root_hook()) is not None:
             root_hook.scaler = self
-        if self._pending is not None:
-            self._restore(self._pending)
-            self._pending = None
-        self._plan()
+        self._restore_loaded()
 
     def _bound(self) -> bool:
         """Whether this attached scaler still drives its model (no copy took it over). Host-side."""
@@ -392,11 +355,8 @@ class AdaptiveLossScaler(LossScaler):
             state.reduce_fn = _StatisticsReducer(torch.distributed.new_group())
         example = (example_inputs, example_kwargs) if example_inputs or example_kwargs else None
         gm = attach_adaptive(model, state, self.product_betas, example)
-        self.state = state
-        if self._pending is not None:  # a state_dict loaded before attach()
-            self._restore(self._pending)
-            self._pending = None
-        self._plan()
+        self._adopt(state)
+        self._restore_loaded()
         # Which tensors need gradients, per forward pass: lets reuse steps skip points no gradient reaches
         # (frozen layers) instead of recomputing every step (see AdaptiveState.start_backward).
         gm.register_forward_pre_hook(GradSignature(state, list(gm.parameters())), with_kwargs=True)
@@ -419,20 +379,28 @@ class AdaptiveLossScaler(LossScaler):
         (``0`` rather than ``net.0``), as ``attach`` on the network itself names them, so scaler states,
         ``layer_scales()`` and telemetry carry over between the two. A state loaded before is restored
         under those names. ``path=""``: ``attach``. No host-device sync."""
-        pending, self._pending = self._pending, None
+        loaded, self._loaded = self._loaded, None
         attached = self.attach(model, *example_inputs, **example_kwargs)
         if path and self.state is not None:
             cut = f"{path}."
             for point in (*self.state.gemms, *self.state.branches, *self.state.points.unscales):
                 if point.name.startswith(cut):
                     point.name = point.name[len(cut) :]
-        if pending is not None:
-            if self.state is None:
-                self._pending = pending
-            else:
-                self._restore(pending)
-                self._plan()
+        self._loaded = loaded
+        self._restore_loaded()
         return attached
+
+    def _adopt(self, state: AdaptiveState) -> None:
+        """Drive ``state`` from now on: ``alpha_{N+1}`` moves into its buffers (``alpha[0]``), which hold it
+        from then on (nothing else keeps it). A device copy, no sync."""
+        root = self._scale_holder()
+        self.state = state
+        state.scales_written(root_only=True)
+        if root is None:
+            state.buffers.alpha[0].fill_(self._init_scale)
+        else:
+            state.buffers.alpha[0].copy_(root)
+        self._scale = None
 
     def coverage(self, *example_inputs: Any, **example_kwargs: Any) -> Coverage:
         """What ``attach`` scaled, for a user to check a model in one call: every GEMM point (a layer's, with
@@ -489,24 +457,39 @@ class AdaptiveLossScaler(LossScaler):
                 "its own before using it"
             )
         state = self.state
-        recompute = False
         if not self._scaled_this_iteration:
-            self._recomputing = recompute = state.kind == "recompute"
             self._scaled_this_iteration = True
-            state.kind = "reuse"  # further forward passes of this iteration reuse this pass's betas
-            # root="adaptive": measure the loss gradient on the first iteration and on the one before each
-            # scheduled recompute, whose alpha_{N+1} it decides (see _follow_loss_gradient)
-            self._measure_root = self.root == "adaptive" and (
-                self._iteration == 0 or (self._iteration + 1) % self.update_every == 0
-            )
-            self._root_stats, self._root_at = None, self._loss_scale
-        # after a pass that built a graph (GradScaler's gradient-penalty recipe), a plain pass
-        plain = state.graph_built
-        if recompute:
-            self._scales_cache = None  # this backward pass writes new alphas and betas
-        state.arm(self._scale_tensor(state.buffers.device), recompute, plain)
-        self._last_pass = "plain" if plain else "recompute" if recompute else "reuse"
+            self._root_stats = None
+            if self._measuring_root:
+                self._root_at = state.buffers.alpha[0].clone()
+        # the planned kind on the iteration's first pass (reuse on the further ones: arm() sets it); a plain
+        # pass after one that built a graph (GradScaler's gradient-penalty recipe)
+        kind = PassKind.PLAIN if state.graph_built else state.kind
+        state.arm(kind)
+        self._last_pass = kind
         return super().scale(outputs)
+
+    @property
+    def _measuring_root(self) -> bool:
+        """root="adaptive": whether this iteration measures the loss gradient: the first iteration and the
+        one before each scheduled recompute, whose alpha_{N+1} it decides (see _follow_loss_gradient)."""
+        due = self._iteration == 0 or (self._iteration + 1) % self.update_every == 0
+        return self.root == "adaptive" and self._scaled_this_iteration and due
+
+    def _scale_holder(self) -> torch.Tensor | None:
+        """``alpha_{N+1}``'s one tensor: ``alpha[0]`` of the scale buffers once attached, else the base
+        scaler's ``_scale``. Host-side, no sync."""
+        if self.state is not None and self.state.buffers is not None:
+            return self.state.buffers.alpha[0]
+        return self._scale
+
+    def _store_scale(self, value: float) -> None:
+        """A new ``alpha_{N+1}``, written in place into its buffer (fixed address). No sync."""
+        if self.state is not None and self.state.buffers is not None:
+            self.state.scales_written(root_only=True)
+            self.state.buffers.alpha[0].fill_(value)
+        else:
+            super()._store_scale(value)
 
     def recompute_next(self) -> None:
         """Recompute the betas on the next step, as after an overflow (for instance after changing the
@@ -521,12 +504,13 @@ class AdaptiveLossScaler(LossScaler):
         ``alpha_{N+1}`` and on request; else a reuse. Host-side; no sync."""
         if self.state is not None and not self._scaled_this_iteration:
             due = self._force_recompute or self._iteration % self.update_every == 0
-            self.state.kind = "recompute" if due else "reuse"
+            self.state.kind = PassKind.RECOMPUTE if due else PassKind.REUSE
 
-    def _set_loss_scale(self, value: float) -> None:
+    def _set_loss_scale(self, value: float, current: float | None = None) -> None:
         """A new ``alpha_{N+1}`` (backoff, growth, ``update(new_scale)``, a loaded state): the alphas in the
-        buffers were computed under the old one, so the next step recomputes."""
-        if value != self._loss_scale:
+        buffers were computed under the old one, so the next step recomputes. ``current``: the old one, if
+        the caller has read it; else it is read here (one sync, on these rare steps only)."""
+        if value != (self._current_scale() if current is None else current):
             self._force_recompute = True
         super()._set_loss_scale(value)
 
@@ -558,7 +542,7 @@ class AdaptiveLossScaler(LossScaler):
         super().update(new_scale)
         self._scaled_this_iteration = False
         if self.state is not None:
-            self.state.armed = self.state.plain = self.state.graph_built = False
+            self.state.armed = self.state.graph_built = False
         self._plan()
 
     # ------------------------------------------------------------------ GradScaler's growth and backoff
@@ -570,7 +554,7 @@ class AdaptiveLossScaler(LossScaler):
 
     def set_growth_interval(self, new_interval: int) -> None:
         """Set the growth interval (a positive integer); steps already counted still count. No sync."""
-        self.growth_interval = _integer(new_interval, "scaler.growth_interval")
+        self.growth_interval = positive_int(new_interval, "scaler.growth_interval", "2000")
 
     def get_growth_factor(self) -> float:
         """2.0: a lowered ``alpha_{N+1}`` doubles (a power of two, so gradients unscale exactly). No sync."""
@@ -594,29 +578,30 @@ class AdaptiveLossScaler(LossScaler):
     def _update_scale(self, found_inf: bool) -> None:
         """Count the iteration; move ``alpha_{N+1}`` by the ``root`` rule (class docstring)."""
         self._iteration += 1
-        measured, self._root_stats, self._measure_root = self._root_stats, None, False
+        measured, self._root_stats = self._root_stats, None
         if found_inf:
             self._force_recompute = True
             self._consecutive_overflows += 1
             self._clean_steps = 0
             # fixed, adaptive: the first overflow only recomputes the betas; dynamic: GradScaler's backoff
             if self._consecutive_overflows >= (1 if self.root == "dynamic" else 2):
-                self._set_loss_scale(backed_off(self._loss_scale, _ALPHA_BACKOFF, _ROOT_FLOOR))
+                current = self._current_scale()  # the one read of alpha_{N+1} (a sync): a backoff step
+                self._set_loss_scale(backed_off(current, _ALPHA_BACKOFF, _ROOT_FLOOR), current)
             return
         self._force_recompute = False
         self._consecutive_overflows = 0
         self._clean_steps += 1
-        if self._clean_steps >= self.growth_interval and (
-            self.root == "dynamic" or self._loss_scale < self._init_scale
-        ):
-            ceiling = None if self.root == "dynamic" else self._init_scale
-            self._set_loss_scale(grown(self._loss_scale, _ALPHA_GROWTH, ceiling))
-            self._clean_steps = 0
-            self._force_recompute = True
+        if self._clean_steps >= self.growth_interval:
+            current = self._current_scale()  # the one read of alpha_{N+1} (a sync): every growth_interval
+            if self.root == "dynamic" or current < self._ceiling:
+                ceiling = None if self.root == "dynamic" else self._ceiling
+                self._set_loss_scale(grown(current, _ALPHA_GROWTH, ceiling), current)
+                self._clean_steps = 0
+                self._force_recompute = True
         if measured is not None:
             self._follow_loss_gradient(measured)
-        if self.state is not None and self._recomputing and self.update_every > 1:
-            self.state.note_units()  # one sync per recompute: eager reuse steps skip factors of 1
+        if self.state is not None and self.update_every > 1:
+            self.state.note_units()  # one sync after a recompute (units unknown): reuse steps skip 1s
 
     # ------------------------------------------------------------------ root="adaptive"
 
@@ -626,7 +611,7 @@ class AdaptiveLossScaler(LossScaler):
         [0.5, 1): a histogram of ``e``, :data:`_BINS` int64 counts) and its largest magnitude, on the
         gradient's device. Called from the backward pass on measuring iterations only; static shapes, no
         host sync."""
-        if not self._measure_root or grad is None or grad.numel() == 0:
+        if not self._measuring_root or grad is None or grad.numel() == 0:
             return
         with torch._C.DisableTorchFunction(), torch.no_grad():
             a = grad.detach().abs().float().reshape(-1)
@@ -656,18 +641,20 @@ class AdaptiveLossScaler(LossScaler):
             counts, peak = counts.clone(), peak.clone()
             dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
             dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-        host = torch.cat([counts.double(), peak.double().reshape(1)]).cpu().tolist()  # the one sync
-        peak_value = host[-1] / self._root_at
+        roots = torch.stack([self._root_at, self._scale_holder()]).to(counts.device).double()
+        host = torch.cat([counts.double(), peak.double().reshape(1), roots]).cpu().tolist()  # the one sync
+        root_at, current = host[-2:]
+        peak_value = host[-3] / root_at
         if not math.isfinite(peak_value):
             return
         by_exponent = {e - _BIN_OFFSET: int(c) for e, c in enumerate(host[: _BINS - 1]) if c}
-        ceiling = self.root_target(by_exponent, peak_value, self._root_at)
-        if ceiling == self._init_scale:
+        ceiling = self.root_target(by_exponent, peak_value, root_at)
+        if ceiling == self._ceiling:
             return
-        scale = max(self._loss_scale * (ceiling / self._init_scale), _ROOT_FLOOR)
-        self._init_scale = ceiling
-        if scale != self._loss_scale:
-            self._set_loss_scale(scale)
+        scale = max(current * (ceiling / self._ceiling), _ROOT_FLOOR)
+        self._ceiling = ceiling
+        if scale != current:
+            self._set_loss_scale(scale, current)
             self._force_recompute = True
 
     def root_target(self, by_exponent: dict[int, int], peak: float, measured_at: float = 1.0) -> float:
@@ -708,45 +695,46 @@ class AdaptiveLossScaler(LossScaler):
 
     # ------------------------------------------------------------------ telemetry
 
-    def layer_scales(self) -> dict[str, float]:
-        """``{layer: alpha}``: the accumulated scale each conv/linear layer's gradient carried in the last
-        backward pass (the scale its weight gradient was divided by). One host sync for this and
-        :meth:`layer_betas` together after each recompute pass (they are read from the device buffers, and
-        the copies serve the reuse steps after it): a telemetry step reads both."""
-        return dict(self._scales_and_betas()[0])
+    def snapshot(self) -> ScaleSnapshot | None:
+        """Every scale of the attached model, ``alpha_{N+1}`` included, read from its device buffers in one
+        host read (one sync; none while the buffers are unchanged since the last one): what
+        :meth:`layer_scales`, :meth:`layer_betas`, :meth:`branch_rescaled`, :meth:`loss_scale_metric` and
+        :meth:`state_dict` report. None before ``attach``."""
+        return self.state.snapshot() if self.state is not None else None
 
-    def layer_betas(self) -> dict[str, float]:
-        """``{layer: beta}``: each layer's local scale (Algorithm 4) currently in use. Shares the one host
-        sync of :meth:`layer_scales`."""
-        return dict(self._scales_and_betas()[1])
+    def layer_scales(self, snapshot: ScaleSnapshot | None = None) -> dict[str, float]:
+        """``{layer: alpha}``: the accumulated scale each conv/linear layer's gradient carried in the last
+        backward pass (the scale its weight gradient was divided by). Read from :meth:`snapshot` (one host
+        sync after a recompute, none on the reuse steps after it), or from the ``snapshot`` given."""
+        return self._scales_and_betas(snapshot)[0]
+
+    def layer_betas(self, snapshot: ScaleSnapshot | None = None) -> dict[str, float]:
+        """``{layer: beta}``: each layer's local scale (Algorithm 4) currently in use. Read from
+        :meth:`snapshot` (shares its one sync), or from the ``snapshot`` given."""
+        return self._scales_and_betas(snapshot)[1]
 
     def branch_rescaled(self) -> dict[str, bool]:
         """``{branch: whether its incoming gradients had different alphas}`` at the last recompute, for the
-        branch points a gradient reached then. One host sync."""
+        branch points a gradient reached then. Read from :meth:`snapshot` (shares its one sync)."""
         if self.state is None or self.state.buffers is None or not self.state.branches:
             return {}
-        buf = self.state.buffers
-        common, flags = torch.stack([buf.branch_alpha, buf.rescaled.float()]).cpu().tolist()  # the sync
-        points = self.state.branches
-        return {p.name: bool(f) for p, a, f in zip(points, common, flags, strict=True) if not math.isnan(a)}
+        return self.snapshot().branch_rescaled()
 
     def loss_scale_metric(self) -> dict[str, float]:
         """What the logger records as the loss scale: ``layer_scales()`` (and its one sync)."""
         return self.layer_scales()
 
-    def _scales_and_betas(self) -> tuple[dict[str, float], dict[str, float]]:
-        """Every layer's alpha and beta, read together from the scale buffers: one host sync, the copies kept
-        until the next recompute pass (the passes in between apply the same scales: a change of
-        ``alpha_{N+1}`` recomputes). After a plain pass every alpha is ``alpha_{N+1}``."""
-        if self.state is None:
+    def _scales_and_betas(self, snap: ScaleSnapshot | None) -> tuple[dict[str, float], dict[str, float]]:
+        """Every layer's alpha and beta, from one snapshot of the buffers. After a plain pass every alpha is
+        ``alpha_{N+1}``."""
+        snap = snap if snap is not None else self.snapshot()
+        if snap is None:
             return {}, {}
-        if self._scales_cache is None:
-            self._scales_cache = self.state.point_scales()
-        alphas, betas = self._scales_cache
+        alphas, betas = snap.point_scales()
         out: tuple[dict[str, float], dict[str, float]] = ({}, {})
         for point, alpha, beta in zip(self.state.gemms, alphas, betas, strict=True):
             if beta is not None:
-                out[0][point.name] = self._loss_scale if self._last_pass == "plain" else alpha
+                out[0][point.name] = snap.root if self._last_pass is PassKind.PLAIN else alpha
                 out[1][point.name] = beta
         return out
 
@@ -758,33 +746,15 @@ class AdaptiveLossScaler(LossScaler):
             "force_recompute": self._force_recompute,
             "consecutive_overflows": self._consecutive_overflows,
             "clean_steps": self._clean_steps,
-            "init_scale": self._init_scale,  # the ceiling of alpha_{N+1} (root="adaptive": the measured one)
+            "init_scale": self._ceiling,  # the ceiling of alpha_{N+1} (root="adaptive": the measured one)
             "root": self.root,
         }
-        if self._pending is not None:
-            extra.update({k: self._pending.get(k) for k in _SCALE_KEYS})
+        if self._loaded is not None:  # loaded before attach(): as loaded
+            extra.update({k: self._loaded.get(k) for k in _SCALE_KEYS})
             return extra
-        state = self.state
-        if state is None or state.buffers is None:
-            return extra
-        buf = state.buffers
-        flat = torch.cat([buf.alpha, buf.beta, buf.branch_alpha, buf.branch_factors]).cpu().tolist()
-        alphas, rest = flat[: len(buf.alpha)], flat[len(buf.alpha) :]
-        betas, rest = rest[: len(buf.beta)], rest[len(buf.beta) :]
-        common, factors = rest[: len(buf.branch_alpha)], rest[len(buf.branch_alpha) :]
-
-        def known(v: float) -> float | None:
-            return None if math.isnan(v) else v
-
-        extra["layers"] = [p.name for p in state.gemms]
-        extra["betas"] = [known(b) for b in betas]
-        extra["branches"] = [p.name for p in state.branches]
-        extra["branch_alphas"] = [known(a) for a in common]
-        extra["branch_factors"] = [
-            None if math.isnan(a) else factors[p.offset : p.offset + len(p.in_slots)]
-            for p, a in zip(state.branches, common, strict=True)
-        ]
-        extra["slot_alphas"] = alphas
+        snap = self.snapshot()
+        if snap is not None:  # the scale with every other, in the snapshot's one host read
+            extra.update(scale=snap.root, **snap.checkpoint())
         return extra
 
     def _load_extra_state(self, saved: dict[str, Any]) -> None:
@@ -798,19 +768,24 @@ class AdaptiveLossScaler(LossScaler):
         self._force_recompute = bool(saved.get("force_recompute", True))
         self._consecutive_overflows = int(saved.get("consecutive_overflows", 0))
         self._clean_steps = int(saved.get("clean_steps", 0))
-        self._init_scale = float(saved.get("init_scale", self._init_scale))
-        self._scales_cache = None
+        self._ceiling = float(saved.get("init_scale", self._ceiling))
         if "betas" in saved:
-            pending = {k: saved.get(k) for k in _SCALE_KEYS}
-            if self.state is None:
-                self._pending = pending  # restored by attach()
-            else:
-                self._restore(pending)
+            self._loaded = {k: saved.get(k) for k in _SCALE_KEYS}
+        self._restore_loaded()
+
+    def _restore_loaded(self) -> None:
+        """The one path a loaded state takes into the scale buffers, now (attached) or at ``attach`` (before
+        it, it waits as loaded); then the next pass is planned. Host-side, a few device copies, no sync."""
+        if self.state is not None and self._loaded is not None:
+            loaded, self._loaded = self._loaded, None
+            self._restore(loaded)
         self._plan()
 
     def _restore(self, saved: dict[str, Any]) -> None:
-        """Write a checkpoint's scales into the scale buffers (NaN where it had none). A checkpoint written
-        before the buffers held the slots' alphas recomputes on its first step."""
+        """Write a checkpoint's scales into the scale buffers (NaN where it had none); ``alpha_{N+1}`` is
+        the checkpoint's ``scale``, already in ``alpha[0]`` (its ``slot_alphas[0]`` is the one the last
+        backward pass carried, for reporting). A checkpoint written before the buffers held the
+        slots' alphas recomputes on its first step."""
         state = self.state
         layers = [p.name for p in state.gemms]
         if saved["layers"] != layers or saved["branches"] != [p.name for p in state.branches]:
@@ -819,6 +794,7 @@ class AdaptiveLossScaler(LossScaler):
                 "resume with the same model config or start a fresh run"
             )
         buf = state.buffers
+        state.scales_written()
 
         def put(target: torch.Tensor, values: list[float | None]) -> None:
             row = [math.nan if v is None else float(v) for v in values]
@@ -831,9 +807,11 @@ class AdaptiveLossScaler(LossScaler):
         for point, f in zip(state.branches, saved["branch_factors"], strict=True):
             factors += list(f) if f is not None else [None] * len(point.in_slots)
         put(buf.branch_factors, factors)
-        if saved.get("slot_alphas") is not None:
-            put(buf.alpha, saved["slot_alphas"])
-            buf.to_root.copy_(buf.alpha[0] / buf.alpha)
+        if saved.get("slot_alphas") is not None:  # slot 0's: the alpha_{N+1} the last pass carried
+            carried = torch.tensor(saved["slot_alphas"], dtype=torch.float32).to(buf.device)
+            buf.alpha[1:].copy_(carried[1:])
+            buf.carried_root.copy_(carried[:1])
+            buf.to_root.copy_(root_over(carried[0], carried))
         else:
             self._force_recompute = True
         # Points without scales in the checkpoint are fine only under the requires_grad flags they were
@@ -917,16 +895,6 @@ class _LossGradientHook:
         return value
 
 
-def _root_name(root: Any) -> str:
-    """Parse ``root`` (``scaler.root``); ConfigError for anything but one of :data:`ROOTS`."""
-    name = root.strip().lower() if isinstance(root, str) else None
-    if name not in ROOTS:
-        raise ConfigError(
-            f"scaler.root must be one of {', '.join(ROOTS)}, got {root!r}; e.g. scaler.root=fixed"
-        )
-    return name
-
-
 def _first_tensor(value: Any) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return value
@@ -960,31 +928,3 @@ class _StatisticsReducer:
         dist.all_gather_into_tensor(gathered, mine, group=self.group)
         gathered = gathered.view(self.world_size, 2)
         return gathered[:, 0].sum() / self.world_size, gathered[:, 1].amax().to(max_abs.dtype)
-
-
-def _number(value: Any, field: str) -> float:
-    if isinstance(value, bool):
-        raise ConfigError(f"{field} must be a number, got {value!r}")
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{field} must be a number, got '{value}'") from None
-
-
-def _bound(value: Any, field: str, auto: float | None) -> float | None:
-    """A positive bound, None (no bound), or ``auto`` (the rule's default)."""
-    if isinstance(value, str) and value.strip().lower() == "auto":
-        return auto
-    if value is None:
-        return None
-    number = _number(value, field)
-    if not (math.isfinite(number) and number > 0):
-        raise ConfigError(f"{field} must be a positive number, null (no bound) or auto, got {value!r}")
-    return number
-
-
-def _integer(value: Any, field: str) -> int:
-    number = _number(value, field)
-    if not (math.isfinite(number) and number == int(number) and number >= 1):
-        raise ConfigError(f"{field} must be a positive integer, got {value}")
-    return int(number)

@@ -5,10 +5,11 @@
 on an overflow, the counters and the checkpoint format. A subclass decides only how the scale is chosen and
 applied, through the hooks listed in the class docstring.
 
-The scalar loss scale is kept on the host as a Python float. ``step()`` must read the Inf/NaN flag on the host
-anyway (to decide whether to call ``optimizer.step()``), so updating the scale on the host costs nothing more,
-and plain Python makes hysteresis and clamping easy to read. The device only ever sees a cached 0-dim copy of
-the scale, made without a host-device sync.
+The loss scale is one 0-dim float32 device tensor, GradScaler's ``_scale``, created by the first ``scale()``
+on the loss's device (before it, the scale is the host's ``_init_scale``, as in GradScaler); nothing keeps a
+host copy of it. The scale rules (hysteresis, clamping) are plain Python on the host: ``step()`` reads the
+Inf/NaN flag on the host anyway, and a rule reads the scale (one sync) only on the steps that change it (an
+overflow, a growth); a new scale is written as a fresh tensor, without a sync.
 
 Distributed data parallel: when ``torch.distributed`` is initialized with more than one rank, the found-inf
 flag is all-reduced (MAX) before ``step()`` reads it (:func:`reduce_found_inf`), so every rank skips the same
@@ -21,8 +22,8 @@ and setters: none. ``step``: one, to read the Inf/NaN flag, as in ``GradScaler``
 that unscales in its own kernel, ``_step_supports_amp_scaling``, where GradScaler has none: the host
 counts skipped steps and updates the scale from the flag). ``update``: none after
 ``step`` (the adaptive scaler: one more on each step that recomputed its scales, with ``update_every > 1``).
-``get_scale``: none (the scale is a host float; ``GradScaler`` syncs here). Each method's docstring says
-its own.
+``get_scale``, ``state_dict``: one (the scale is read from the device, as in ``GradScaler``). Each method's
+docstring says its own.
 """
 
 from __future__ import annotations
@@ -115,13 +116,13 @@ class LossScaler:
     ``AttributeError``, as for any missing method; ``hasattr(scaler, "set_growth_factor")`` tells which kind
     a scaler is). Differences from GradScaler: every enabled scaler, ``none`` included, skips and counts a
     step with Inf/NaN gradients, so a diverging FP16 run shows up as skipped steps rather than NaN weights;
-    the scale lives on the host (see ``get_scale``); and ``device`` defaults to ``None`` (GradScaler's default
+    and ``device`` defaults to ``None`` (GradScaler's default
     is ``"cuda"``), so the same code runs on a machine without a GPU.
 
     Extending: a subclass supplies
 
-    * ``_scale_tensor(device) -> Tensor``: the 0-dim float32 scale ``scale()`` multiplies by (default: a
-      cached copy of the host scale ``self._loss_scale``);
+    * ``_scale_holder() -> Tensor | None`` and ``_store_scale(value)``: where the one scale tensor lives
+      (default: ``self._scale``, GradScaler's; the adaptive scaler keeps it in its scale buffers);
     * ``_unscale_grads_(optimizer) -> Tensor``: divide the optimizer's grads in place and return a 0-dim
       float32 found-inf flag, without a host sync (default: divide every grad by the scalar scale);
     * ``_update_scale(found_inf: bool) -> None``: adjust the scale after an iteration (default: keep it);
@@ -162,8 +163,9 @@ class LossScaler:
             )
             self._enabled = False
         self._has_scaled = False  # GradScaler's "_scale is None": no scale() call yet
-        self._loss_scale = to_float32(init_scale)
-        self._scale_cache: dict[torch.device, torch.Tensor] = {}
+        # GradScaler's names: the scale before the first scale() creates it on the device; then the scale
+        self._init_scale = to_float32(init_scale)
+        self._scale: torch.Tensor | None = None
         self._last_device: torch.device | None = None
         self._per_optimizer: defaultdict[int, _OptimizerRecord] = defaultdict(_OptimizerRecord)
         self._skipped_steps = 0
@@ -401,16 +403,16 @@ class LossScaler:
         self._per_optimizer = defaultdict(_OptimizerRecord)
 
     def get_scale(self) -> float:
-        """Return the current loss scale as a Python float (1.0 when disabled).
+        """Return the current loss scale as a Python float (1.0 when disabled; ``init_scale`` before the first
+        ``scale()``, as GradScaler).
 
         .. note::
-            Does not synchronize for the scalar scalers: the scale is kept on the host. A subclass that keeps
-            its scale on the device pays one sync here.
+            Synchronizes host and device once (the scale lives on the device), as ``GradScaler.get_scale``.
         """
-        return self._loss_scale if self._enabled else 1.0
+        return self._current_scale() if self._enabled else 1.0
 
     def loss_scale_metric(self) -> float | dict[str, float]:
-        """What the logger records as the loss scale: here the scalar scale (no sync, as ``get_scale``)."""
+        """What the logger records as the loss scale: here the scalar scale (one sync, as ``get_scale``)."""
         return self.get_scale()
 
     def state_dict(self) -> dict[str, Any]:
@@ -419,18 +421,20 @@ class LossScaler:
         Holds ``name``, ``scale``, the counters ``skipped_steps``, ``overflow_count``, ``last_step_skipped``
         and the subclass's ``_extra_state()`` (``DynamicLossScaler``: GradScaler's ``growth_factor``,
         ``backoff_factor``, ``growth_interval`` and ``_growth_tracker`` too, so that
-        ``torch.amp.GradScaler().load_state_dict`` takes it). Call after ``update()``. No sync here (the
-        adaptive scaler's per-layer state costs one per device tensor: checkpoint steps only).
+        ``torch.amp.GradScaler().load_state_dict`` takes it). Call after ``update()``. One sync, to read the
+        scale (the adaptive scaler reads it with every per-layer scale, in the same one host read).
         """
         if not self._enabled:
             return {}
+        extra = self._extra_state()
+        scale = extra.pop("scale", None)  # a subclass that read the scale with its own state
         return {
             "name": self.name,
-            "scale": self._loss_scale,
+            "scale": self._current_scale() if scale is None else scale,
             "skipped_steps": self._skipped_steps,
             "overflow_count": self._overflow_count,
             "last_step_skipped": self._last_step_skipped,
-            **self._extra_state(),
+            **extra,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -471,19 +475,34 @@ class LossScaler:
 
     # ------------------------------------------------------------------ hooks for subclasses
 
+    def _scale_holder(self) -> torch.Tensor | None:
+        """The one 0-dim float32 device tensor holding the scale; None before the first ``scale()`` (then
+        the scale is ``_init_scale``). Host-side, no sync."""
+        return self._scale
+
+    def _store_scale(self, value: float) -> None:
+        """Write a new scale into the holder (which exists). A fresh tensor (not ``fill_``): an autograd
+        graph may still hold the old one. No sync."""
+        assert self._scale is not None
+        self._scale = torch.full((), value, dtype=torch.float32, device=self._scale.device)
+
+    def _current_scale(self) -> float:
+        """The scale as a Python float: one host read of the holder (a sync), none before it exists."""
+        held = self._scale_holder()
+        return self._init_scale if held is None else float(held.item())
+
     def _scale_tensor(self, device: torch.device) -> torch.Tensor:
         """The 0-dim float32 scale on ``device`` that ``scale()`` multiplies by. No host-device sync.
 
-        Copies are cached per device and rebuilt only when the scale changes, so a steady scale costs no
-        allocation. A fresh tensor (not ``fill_``) is made on change because an autograd graph may still hold
-        the old one.
+        The holder itself, created on the first call on ``device`` (GradScaler's lazy init); a copy of it on
+        another device, or when the holder is kept elsewhere and written in place (the adaptive scaler's
+        buffers: autograd refuses a saved tensor that changed since).
         """
-        cached = self._scale_cache.get(device)
-        if cached is None:
-            cached = torch.full((), self._loss_scale, dtype=torch.float32, device=device)
-            self._scale_cache[device] = cached
+        held = self._scale_holder()
+        if held is None:
+            held = self._scale = torch.full((), self._init_scale, dtype=torch.float32, device=device)
         self._last_device = device
-        return cached
+        return held if held.device == device and held is self._scale else held.to(device, copy=True)
 
     def _unscale_grads_(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """Divide every gradient of ``optimizer`` in place by the scale; return the found-inf flag.
@@ -492,7 +511,10 @@ class LossScaler:
         host-device sync: ``torch._amp_foreach_non_finite_check_and_unscale_`` checks and scales in one pass
         per device/dtype group. The reciprocal is taken in float64 and rounded once, as GradScaler does.
         """
-        inv_scale = 1.0 / self._loss_scale
+        scale = self._scale_holder()
+        if scale is None:  # no scale() yet (a copy that was never used): made where scale() would make it
+            scale = self._scale_tensor(torch.device(self._fallback_device()))
+        inv_scale = scale.double().reciprocal().float()
         return self._unscale_grad_groups_(self._grads_by_device_and_dtype(optimizer), inv_scale)
 
     def _update_scale(self, found_inf: bool) -> None:
@@ -511,9 +533,13 @@ class LossScaler:
     # ------------------------------------------------------------------ helpers for subclasses
 
     def _set_loss_scale(self, value: float) -> None:
-        """Set the host scale (rounded to float32, as the device copy will be) and drop the device copies."""
-        self._loss_scale = to_float32(value)
-        self._scale_cache.clear()
+        """Set the scale (rounded to float32): into the holder, or ``_init_scale`` before it exists. No
+        sync."""
+        value = to_float32(value)
+        if self._scale_holder() is None:
+            self._init_scale = value
+        else:
+            self._store_scale(value)
 
     def _grads_by_device_and_dtype(
         self, optimizer: torch.optim.Optimizer, allow_fp16: bool = False
@@ -544,7 +570,9 @@ class LossScaler:
         return groups
 
     def _unscale_grad_groups_(
-        self, groups: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]], inv_scale: float
+        self,
+        groups: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]],
+        inv_scale: float | torch.Tensor,
     ) -> torch.Tensor:
         """Multiply each group by ``inv_scale`` in place and return one combined found-inf flag (no sync).
 
@@ -555,7 +583,10 @@ class LossScaler:
         with torch.no_grad():
             for device, by_dtype in groups.items():
                 found_inf = torch.zeros((), dtype=torch.float32, device=device)
-                inv = torch.full((), inv_scale, dtype=torch.float32, device=device)
+                if isinstance(inv_scale, torch.Tensor):
+                    inv = inv_scale.to(device)
+                else:
+                    inv = torch.full((), inv_scale, dtype=torch.float32, device=device)
                 for grads in by_dtype.values():
                     torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv)
                 flags.append(found_inf)
@@ -616,7 +647,7 @@ class LossScaler:
         return bool(record.found_inf.item() != 0.0)  # only for an optimizer unscaled but never stepped
 
     def __repr__(self) -> str:
-        state = f"scale={self._loss_scale:g}" if self._enabled else "enabled=False"
+        state = f"scale={self._current_scale():g}" if self._enabled else "enabled=False"
         return f"{type(self).__name__}({state})"
 
 
@@ -676,47 +707,78 @@ def to_float32(value: float) -> float:
     return float(torch.tensor(float(value), dtype=torch.float32))
 
 
-def positive_number(value: Any, field: str, example: str) -> float:
-    """Parse a finite, strictly positive number from config (numbers may arrive as strings from the CLI).
+class OptionError(ConfigError):
+    """A bad option value: ``field`` (``scaler.t_uf``), what is wrong (``problem``) and an example of a good
+    value; the message is ``<field> <problem>; e.g. <field>=<example>``. The config schema reports it under
+    its own key (``adaloss.runner.schemas``)."""
 
-    Raises ConfigError with a one-line message naming the field, the value and an example fix.
-    """
+    def __init__(self, field: str, problem: str, example: Any) -> None:
+        sep = "" if problem.startswith(("=", ":")) else " "
+        super().__init__(f"{field}{sep}{problem}; e.g. {field}={example}")
+        self.field, self.problem, self.example = field, problem, example
+
+
+# The library's option validators (every scaler's and the adaptive recipe's): each parses a value from a
+# constructor or from config (numbers may arrive as strings from the CLI) or raises an OptionError.
+
+
+def positive_number(value: Any, field: str, example: str) -> float:
+    """A finite, strictly positive number that fits in float32."""
     number = _parse_float(value)
     if number is None or not math.isfinite(number) or number <= 0.0:
-        raise ConfigError(f"{field} must be a positive number, got {value!r}; e.g. {field}={example}")
+        raise OptionError(field, f"must be a positive number, got {value!r}", example)
     if not math.isfinite(to_float32(number)):
-        raise ConfigError(
-            f"{field} must fit in float32 (at most 3.4e38), got {value!r}; e.g. {field}={example}"
-        )
+        raise OptionError(field, f"must fit in float32 (at most 3.4e38), got {value!r}", example)
     return number
 
 
-def number_in_range(value: Any, field: str, low: float, high: float, bounds: str, example: str) -> float:
-    """Parse a number strictly between ``low`` and ``high`` (``bounds`` in words); else ConfigError."""
+def number_in_range(
+    value: Any, field: str, low: float, high: float, bounds: str, example: str, what: str = "a number"
+) -> float:
+    """A number strictly between ``low`` and ``high`` (``bounds`` in words)."""
     number = _parse_float(value)
     if number is None or not (low < number < high):
-        raise ConfigError(f"{field} must be a number {bounds}, got {value!r}; e.g. {field}={example}")
+        raise OptionError(field, f"must be {what} {bounds}, got {value!r}", example)
     return number
 
 
 def positive_int(value: Any, field: str, example: str) -> int:
-    """Parse a positive integer (``"3"`` and ``3.0`` are accepted, ``2.5`` is not); else ConfigError."""
+    """A positive integer (``"3"`` and ``3.0`` are accepted, ``2.5`` is not)."""
     number = _parse_float(value)
     if number is None or not number.is_integer() or number < 1:
-        raise ConfigError(f"{field} must be a positive integer, got {value!r}; e.g. {field}={example}")
+        raise OptionError(field, f"must be a positive integer, got {value!r}", example)
     return int(number)
 
 
-def optional_bound(value: Any, field: str, example: str, allow_zero: bool) -> float | None:
-    """Parse an optional scale bound: ``None`` means unbounded; otherwise a finite number > 0 (or >= 0)."""
+def optional_bound(value: Any, field: str, example: str, allow_zero: bool, auto: bool = False) -> Any:
+    """An optional scale bound: ``None`` means unbounded; otherwise a finite number > 0 (or >= 0); with
+    ``auto``, the string ``"auto"`` too (the rule's default), returned as ``"auto"``."""
     if value is None:
         return None
+    if auto and isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
     number = _parse_float(value)
     low_ok = number is not None and (number >= 0.0 if allow_zero else number > 0.0)
     if number is None or not math.isfinite(number) or not low_ok:
         kind = "a number >= 0" if allow_zero else "a positive number"
-        raise ConfigError(f"{field} must be {kind} or null, got {value!r}; e.g. {field}={example}")
+        tail = ", null (no bound) or auto" if auto else " or null"
+        raise OptionError(field, f"must be {kind}{tail}, got {value!r}", example)
     return number
+
+
+def boolean(value: Any, field: str) -> bool:
+    """``True`` or ``False`` (not 1, not ``"yes"``)."""
+    if not isinstance(value, bool):
+        raise OptionError(field, f"must be true or false, got {value!r}", "true")
+    return value
+
+
+def one_of(value: Any, field: str, choices: tuple[str, ...]) -> str:
+    """One of ``choices``, case and surrounding blanks ignored; returned as the choice."""
+    name = value.strip().lower() if isinstance(value, str) else None
+    if name not in choices:
+        raise OptionError(field, f"must be one of {', '.join(choices)}, got {value!r}", choices[0])
+    return name
 
 
 def _parse_float(value: Any) -> float | None:

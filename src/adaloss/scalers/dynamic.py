@@ -90,7 +90,10 @@ class DynamicLossScaler(LossScaler):
       overflow has happened yet) are checkpointed, so a resumed run continues Chainer's sequence exactly.
     * No hysteresis: ``hysteresis`` must be 1. Chainer keeps no growth count, so ``growth_tracker`` stays 0.
 
-    The update runs on the host from the Inf/NaN flag ``step()`` has already read, so it adds no sync.
+    The update runs on the host from the Inf/NaN flag ``step()`` has already read; under the torch rule it
+    reads the scale (one sync) only on a step that changes it (a backoff, a growth), and the chainer rule
+    computes from its float64 value, so it adds no sync. The scale itself is one device tensor
+    (``LossScaler``), written afresh on a change.
 
     Compared with DeepSpeed's ``DynamicLossScaler`` (deepspeed/runtime/fp16/loss_scaler.py), whose
     ``scale_window``, ``delayed_shift``, ``consecutive_hysteresis`` and ``min_scale`` are our
@@ -277,7 +280,7 @@ class DynamicLossScaler(LossScaler):
             if self._hysteresis_tracker > 1:
                 self._hysteresis_tracker -= 1  # tolerated: the step was skipped, the scale stays
             else:
-                self._set_loss_scale(backed_off(self._loss_scale, self._backoff_factor, self._min_scale))
+                self._set_loss_scale(backed_off(self._current_scale(), self._backoff_factor, self._min_scale))
             return
         if self._consecutive_hysteresis:
             self._hysteresis_tracker = self._hysteresis
@@ -285,7 +288,7 @@ class DynamicLossScaler(LossScaler):
         if self._growth_tracker >= self._growth_interval:  # >=: the interval may have been lowered
             self._growth_tracker = 0
             self._hysteresis_tracker = self._hysteresis
-            self._set_loss_scale(grown(self._loss_scale, self._growth_factor, self._max_scale))
+            self._set_loss_scale(grown(self._current_scale(), self._growth_factor, self._max_scale))
 
     def _update_chainer(self, found_inf: bool) -> None:
         """Chainer's rule, in its float64 arithmetic (chainer/optimizer.py, ``Optimizer.update_loss_scale``;
@@ -353,7 +356,7 @@ class DynamicLossScaler(LossScaler):
             if self._rule == "chainer"
             else f"growth_tracker={self._growth_tracker}, hysteresis_tracker={self._hysteresis_tracker}"
         )
-        return f"DynamicLossScaler(rule={self._rule}, scale={self._loss_scale:g}, {tail})"
+        return f"DynamicLossScaler(rule={self._rule}, scale={self._current_scale():g}, {tail})"
 
 
 def backed_off(scale: float, factor: float, min_scale: float) -> float:

@@ -22,7 +22,7 @@ def run_one(task: str, root: str, seed: int, out: Path) -> dict[str, Any]:
     seen = {"recomputes": 0, "roots": []}
 
     def watch(step, model, optimizer, scaler) -> None:  # noqa: ANN001 - the trainer's StepCallback
-        seen["recomputes"] += int(bool(getattr(scaler, "_recomputing", False)))
+        seen["recomputes"] += int(getattr(scaler, "last_pass", None) == "recompute")
         seen["roots"].append(scaler.get_scale())
 
     began = time.perf_counter()
