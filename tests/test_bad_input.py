@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 import torch
 from hydra.errors import HydraException
-from omegaconf import open_dict
+from omegaconf import DictConfig, open_dict
 
 from adaloss.engine import train
 from adaloss.engine.checkpoint import load_checkpoint
@@ -571,16 +571,24 @@ def test_bad_value_fails_before_training(
     except HydraException as error:  # the schema's types and keys: rejected while Hydra composes
         message = _load_cli().describe_hydra_error(error)  # the line train.py prints
     else:
-        run_dir = tmp_path / "run"
-        with open_dict(cfg):
-            cfg.paths.output_dir = str(run_dir)  # what Hydra's ${hydra:runtime.output_dir} gives in train.py
-        with pytest.raises(ConfigError) as info:
-            train(cfg)
-        message = str(info.value)
+        message = _train_error(cfg, tmp_path / "run")
+    _assert_one_line(message, expected)
+    assert not list(tmp_path.rglob("metrics.json"))
+
+
+def _train_error(cfg: DictConfig, run_dir: Path) -> str:
+    """The message of the ``ConfigError`` that ``train(cfg)`` raises, run folder ``run_dir``."""
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(run_dir)  # what Hydra's ${hydra:runtime.output_dir} gives in train.py
+    with pytest.raises(ConfigError) as info:
+        train(cfg)
+    return str(info.value)
+
+
+def _assert_one_line(message: str, expected: list[str]) -> None:
     assert "\n" not in message.strip()
     for text in expected:
         assert text in message, (text, message)
-    assert not list(tmp_path.rglob("metrics.json"))
 
 
 @pytest.mark.parametrize(("overrides", "expected"), CLEANUP_CASES)
@@ -594,14 +602,7 @@ def test_a_value_train_rejects_leaves_only_hydras_files(
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "train.log").write_text("")
-    with open_dict(cfg):
-        cfg.paths.output_dir = str(run_dir)
-    with pytest.raises(ConfigError) as info:
-        train(cfg)
-    message = str(info.value)
-    assert "\n" not in message.strip()
-    for text in expected:
-        assert text in message, (text, message)
+    _assert_one_line(_train_error(cfg, run_dir), expected)
     assert _load_cli()._only_hydra_files(run_dir), sorted(p.name for p in run_dir.rglob("*"))
     assert not list(tmp_path.rglob("metrics.json"))
     if results.exists():
