@@ -41,7 +41,7 @@ from adaloss.engine import train
 from adaloss.engine.checkpoint import load_checkpoint
 from adaloss.engine.run_folder import RunLock
 from adaloss.errors import ConfigError
-from conftest import ROOT, TINY, compose_train
+from conftest import FINISHED_RUN, ROOT, TINY, compose_train
 
 TIMEOUT_S = 240  # one subprocess; a bad invocation fails in seconds, a missing check trains 2 iterations
 
@@ -382,9 +382,9 @@ VALUE_CASES: list = [
     ),
 ]
 
-#: The run the folder rows start from: 3 iterations, a checkpoint at 2, finished (metrics.json), made
-#: through the command line once per module, so it has Hydra's .hydra/ and train.log as a user's run does.
-FINISHED_RUN = ("model=mlp", "trainer.max_steps=3", "trainer.checkpoint_every=2")
+# The run the folder rows start from (FINISHED_RUN, conftest.finished_cli_run): 3 iterations, a checkpoint at
+# 2, finished (metrics.json), made through the command line once per test process, so it has Hydra's
+# .hydra/ and train.log as a user's run does.
 #: A run that writes checkpoints at 2 and 4 of 6 iterations: the faults hit the second one.
 TWO_CHECKPOINTS = ("model=mlp", "trainer.max_steps=6", "trainer.checkpoint_every=2")
 
@@ -622,15 +622,6 @@ def test_yaml_spellings_of_booleans_mean_what_yaml_reads(
     assert metrics["config"]["trainer"]["save_final"] is written  # recorded as a real boolean
 
 
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    run = tmp_path_factory.mktemp("finished") / "run"
-    proc = _run_cli([*_with_tiny(FINISHED_RUN), f"hydra.run.dir={run}"])
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert (run / "metrics.json").is_file() and (run / ".hydra" / "config.yaml").is_file()
-    return run
-
-
 def _snapshot(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
@@ -667,13 +658,13 @@ def _read_only(folder: Path) -> Iterator[list[str]]:
 
 @pytest.mark.parametrize(("state", "overrides", "status", "expected"), FOLDER_CASES)
 def test_run_folder_faults_are_one_error_line(
-    state: str, overrides: list[str], status: int, expected: list[str], finished_run: Path, tmp_path: Path
+    state: str, overrides: list[str], status: int, expected: list[str], finished_cli_run: Path, tmp_path: Path
 ) -> None:
     run = tmp_path / "run"
     args, prelude, lock = [*_with_tiny(overrides), f"hydra.run.dir={run}"], "", None
     unchanged = state.startswith("finished") or state in ("locked", "read-only")
     if unchanged:
-        shutil.copytree(finished_run, run)
+        shutil.copytree(finished_cli_run, run)
     if state == "finished-without-checkpoints":
         shutil.rmtree(run / "checkpoints")
     before = _snapshot(run) if run.exists() else {}
