@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -41,6 +42,29 @@ TINY: tuple[str, ...] = (
     "device=cpu",
     "logger=none",
 )
+
+
+#: The finished run of :func:`finished_cli_run`: ``TINY``'s MLP for 3 iterations, a checkpoint at 2.
+FINISHED_RUN: tuple[str, ...] = ("model=mlp", "trainer.max_steps=3", "trainer.checkpoint_every=2")
+#: Its whole command line (``TINY`` with its iterations replaced, then ``FINISHED_RUN``).
+FINISHED_CLI: tuple[str, ...] = (*(o for o in TINY if not o.startswith("trainer.max_steps=")), *FINISHED_RUN)
+
+
+@pytest.fixture(scope="session")
+def finished_cli_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished run made by ``python train.py <FINISHED_CLI>`` once per test process, so it has Hydra's
+    ``.hydra/`` and ``train.log`` as a user's run does. Shared: a test copies it before it runs anything
+    that could write into it."""
+    run = tmp_path_factory.mktemp("finished") / "run"
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    env.update({"OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"})
+    proc = subprocess.run(
+        [sys.executable, "train.py", *FINISHED_CLI, f"hydra.run.dir={run}"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (run / "metrics.json").is_file() and (run / ".hydra" / "config.yaml").is_file()
+    return run
 
 
 def load_script(name: str) -> ModuleType:

@@ -35,13 +35,13 @@ from pathlib import Path
 import pytest
 import torch
 from hydra.errors import HydraException
-from omegaconf import open_dict
+from omegaconf import DictConfig, open_dict
 
 from adaloss.errors import ConfigError
 from adaloss.runner.engine import train
 from adaloss.runner.engine.checkpoint import load_checkpoint
 from adaloss.runner.engine.run_folder import RunLock
-from conftest import ROOT, TINY, compose_train
+from conftest import FINISHED_RUN, ROOT, TINY, compose_train
 
 TIMEOUT_S = 240  # one subprocess; a bad invocation fails in seconds, a missing check trains 2 iterations
 
@@ -96,40 +96,40 @@ CLI_CASES: list = [
         id="no-equals",
     ),
     pytest.param(["-m", "model=resnet21"], ["unknown model 'resnet21'"], False, id="multirun-unknown-model"),
-    # train() rejects these: Hydra has made the run folder by then, and it must be gone afterwards
+    # train() rejects this: Hydra has made the run folder by then, and it must be gone afterwards (the
+    # other values train() rejects after Hydra made the folder: CLEANUP_CASES, in-process)
     pytest.param(
         ["scaler=fixed", "scaler.scale=-1"],
         ["scaler.scale must be a number > 0, got -1", "e.g. scaler.scale=128"],
         True,
         id="negative-scale+cleanup",
     ),
-    pytest.param(
-        ["model=ssd512", "dataset=cifar10", "paths.data_dir={tmp}/data"],
-        ["model=ssd512 is a detector but dataset=cifar10", "dataset=shapes"],
-        True,
-        id="detector-on-cifar10+cleanup",
-    ),
-    pytest.param(
-        ["dataset=cifar10", "paths.data_dir={tmp}/nonexistent"],
-        ["CIFAR-10 not found under", "nonexistent", "dataset.download=true"],
-        True,
-        id="missing-data-dir+cleanup",
-    ),
-    pytest.param(
-        ["model._target_=no_such_pkg.Net", "model.name=net"],
-        ["model._target_=no_such_pkg.Net cannot be imported", "No module named 'no_such_pkg'"],
-        True,
-        id="unimportable-model-target+cleanup",
-    ),
 ]
 
 _NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: device=cuda is valid")
 
-CLI_CASES.append(
+#: ``(overrides, expected substrings)``: values ``train()`` rejects once Hydra has made the run folder. The
+#: command line's row ``negative-scale+cleanup`` checks that ``train.py`` prints the line and removes a
+#: folder holding only Hydra's files; these rows check, in-process, each value's line and that the failed
+#: ``train()`` left the folder so (a subprocess each would cost seconds of imports for the same wrapper).
+CLEANUP_CASES: list = [
     pytest.param(
-        ["resume={tmp}/garbage.pt"], ["garbage.pt", "checkpoint"], True, id="unreadable-checkpoint+cleanup"
-    )
-)
+        ["model=ssd512", "dataset=cifar10", "paths.data_dir={tmp}/data"],
+        ["model=ssd512 is a detector but dataset=cifar10", "dataset=shapes"],
+        id="detector-on-cifar10",
+    ),
+    pytest.param(
+        ["dataset=cifar10", "paths.data_dir={tmp}/nonexistent"],
+        ["CIFAR-10 not found under", "nonexistent", "dataset.download=true"],
+        id="missing-data-dir",
+    ),
+    pytest.param(
+        ["model._target_=no_such_pkg.Net", "model.name=net"],
+        ["model._target_=no_such_pkg.Net cannot be imported", "No module named 'no_such_pkg'"],
+        id="unimportable-model-target",
+    ),
+    pytest.param(["resume={tmp}/garbage.pt"], ["garbage.pt", "checkpoint"], id="unreadable-checkpoint"),
+]
 
 VALUE_CASES: list = [
     # fixed scaler
@@ -382,9 +382,9 @@ VALUE_CASES: list = [
     ),
 ]
 
-#: The run the folder rows start from: 3 iterations, a checkpoint at 2, finished (metrics.json), made
-#: through the command line once per module, so it has Hydra's .hydra/ and train.log as a user's run does.
-FINISHED_RUN = ("model=mlp", "trainer.max_steps=3", "trainer.checkpoint_every=2")
+# The run the folder rows start from (FINISHED_RUN, conftest.finished_cli_run): 3 iterations, a checkpoint at
+# 2, finished (metrics.json), made through the command line once per test process, so it has Hydra's
+# .hydra/ and train.log as a user's run does.
 #: A run that writes checkpoints at 2 and 4 of 6 iterations: the faults hit the second one.
 TWO_CHECKPOINTS = ("model=mlp", "trainer.max_steps=6", "trainer.checkpoint_every=2")
 
@@ -543,6 +543,7 @@ def _one_error_line(proc: subprocess.CompletedProcess[str], status: int) -> str:
 def test_the_tables_cover_every_kind_of_bad_input() -> None:
     """Each table keeps its cases: a row lost in an edit would leave its check untested without failing."""
     assert len(CLI_CASES) >= 8 and len(VALUE_CASES) >= 60 and len(FOLDER_CASES) >= 7
+    assert len(CLEANUP_CASES) >= 4
 
 
 @pytest.mark.parametrize(("overrides", "expected", "made_run_folder"), CLI_CASES)
@@ -570,16 +571,42 @@ def test_bad_value_fails_before_training(
     except HydraException as error:  # the schema's types and keys: rejected while Hydra composes
         message = _load_cli().describe_hydra_error(error)  # the line train.py prints
     else:
-        run_dir = tmp_path / "run"
-        with open_dict(cfg):
-            cfg.paths.output_dir = str(run_dir)  # what Hydra's ${hydra:runtime.output_dir} gives in train.py
-        with pytest.raises(ConfigError) as info:
-            train(cfg)
-        message = str(info.value)
+        message = _train_error(cfg, tmp_path / "run")
+    _assert_one_line(message, expected)
+    assert not list(tmp_path.rglob("metrics.json"))
+
+
+def _train_error(cfg: DictConfig, run_dir: Path) -> str:
+    """The message of the ``ConfigError`` that ``train(cfg)`` raises, run folder ``run_dir``."""
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(run_dir)  # what Hydra's ${hydra:runtime.output_dir} gives in train.py
+    with pytest.raises(ConfigError) as info:
+        train(cfg)
+    return str(info.value)
+
+
+def _assert_one_line(message: str, expected: list[str]) -> None:
     assert "\n" not in message.strip()
     for text in expected:
         assert text in message, (text, message)
+
+
+@pytest.mark.parametrize(("overrides", "expected"), CLEANUP_CASES)
+def test_a_value_train_rejects_leaves_only_hydras_files(
+    overrides: list[str], expected: list[str], tmp_path: Path, single_thread: None
+) -> None:
+    """The run folder as Hydra makes it (its log), then ``train(cfg)``: one ``ConfigError`` line, and the
+    folder still holds only Hydra's files, so ``train.py`` removes it; nothing lands under the results."""
+    results = tmp_path / "results"
+    cfg = compose_train([*_with_tiny(_fill(overrides, tmp_path)), f"paths.results_dir={results}"])
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "train.log").write_text("")
+    _assert_one_line(_train_error(cfg, run_dir), expected)
+    assert _load_cli()._only_hydra_files(run_dir), sorted(p.name for p in run_dir.rglob("*"))
     assert not list(tmp_path.rglob("metrics.json"))
+    if results.exists():
+        assert _leftovers(results) == []
 
 
 @pytest.mark.parametrize(("value", "written"), [("no", False), ("yes", True), ("off", False), ("On", True)])
@@ -593,15 +620,6 @@ def test_yaml_spellings_of_booleans_mean_what_yaml_reads(
     metrics = train(cfg)
     assert (tmp_path / "model.pt").exists() == written
     assert metrics["config"]["trainer"]["save_final"] is written  # recorded as a real boolean
-
-
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    run = tmp_path_factory.mktemp("finished") / "run"
-    proc = _run_cli([*_with_tiny(FINISHED_RUN), f"hydra.run.dir={run}"])
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert (run / "metrics.json").is_file() and (run / ".hydra" / "config.yaml").is_file()
-    return run
 
 
 def _snapshot(folder: Path) -> dict[str, bytes]:
@@ -640,13 +658,13 @@ def _read_only(folder: Path) -> Iterator[list[str]]:
 
 @pytest.mark.parametrize(("state", "overrides", "status", "expected"), FOLDER_CASES)
 def test_run_folder_faults_are_one_error_line(
-    state: str, overrides: list[str], status: int, expected: list[str], finished_run: Path, tmp_path: Path
+    state: str, overrides: list[str], status: int, expected: list[str], finished_cli_run: Path, tmp_path: Path
 ) -> None:
     run = tmp_path / "run"
     args, prelude, lock = [*_with_tiny(overrides), f"hydra.run.dir={run}"], "", None
     unchanged = state.startswith("finished") or state in ("locked", "read-only")
     if unchanged:
-        shutil.copytree(finished_run, run)
+        shutil.copytree(finished_cli_run, run)
     if state == "finished-without-checkpoints":
         shutil.rmtree(run / "checkpoints")
     before = _snapshot(run) if run.exists() else {}

@@ -385,11 +385,14 @@ def test_invalid_settings(make_cfg: Callable[..., DictConfig]) -> None:
 # ------------------------------------------------------------------- SIGKILL part-way, then resume=auto
 
 # Real digits at 8x8 (the augmentation draws from the torch RNG), 44 batches per epoch: checkpoints every
-# 5 iterations, killed once step_10.pt exists (mid-epoch), resumed across the epoch boundary. ~2-4 s of
-# training per run on one core, plus the interpreter's start-up.
-KILL_RUN = ("dataset=digits", "dataset.image_size=8", "trainer.batch_size=32", "trainer.max_steps=90",
-            "trainer.eval_every=30", "trainer.checkpoint_every=5", "trainer.log_every=5", "telemetry.every=7",
-            "trainer.save_final=true", "trainer.progress_bar=false", "device=cpu", "logger=none")  # fmt: skip
+# 5 iterations, killed once step_10.pt exists (mid-epoch), resumed across the epoch boundary into the
+# second epoch (50 iterations; evaluations at 30 and 50). ~1-2 s of training per run on one core, plus the
+# interpreter's start-up.
+KILL_STEPS = 50
+KILL_RUN = ("dataset=digits", "dataset.image_size=8", "trainer.batch_size=32",
+            f"trainer.max_steps={KILL_STEPS}", "trainer.eval_every=30", "trainer.checkpoint_every=5",
+            "trainer.log_every=5", "telemetry.every=7", "trainer.save_final=true",
+            "trainer.progress_bar=false", "device=cpu", "logger=none")  # fmt: skip
 SCALER_RUNS = {
     "dynamic": ("model=mlp", "scaler=dynamic", "scaler.growth_interval=8"),  # the scale moves both ways
     "adaptive": ("model=resnet20", "scaler=adaptive", "scaler.update_every=7"),  # resume between recomputes
@@ -416,10 +419,13 @@ def _finish(proc: subprocess.Popen[str], timeout: float = 300) -> str:
     # the dynamic run in make test-full (10 s): make test keeps the adaptive one, whose state is larger
     [pytest.param("dynamic", marks=pytest.mark.slow), "adaptive"],
 )
-def test_a_run_killed_part_way_and_resumed_ends_bitwise_identical(tmp_path: Path, scaler: str) -> None:
+def test_a_run_killed_part_way_and_resumed_ends_bitwise_identical(
+    tmp_path: Path, scaler: str, make_full_cfg: Callable[..., DictConfig]
+) -> None:
+    """The killed run and its resume are real processes (SIGKILL); the uninterrupted run they must end
+    equal to trains in this process, through ``train(cfg)`` as ``train.py`` does."""
     overrides = (*KILL_RUN, *SCALER_RUNS[scaler])
     reference, interrupted = tmp_path / "reference", tmp_path / "interrupted"
-    uninterrupted = _cli(reference, *overrides)  # runs alongside the one we kill
 
     victim = _cli(interrupted, *overrides)
     target = interrupted / "checkpoints" / "step_10.pt"
@@ -431,11 +437,14 @@ def test_a_run_killed_part_way_and_resumed_ends_bitwise_identical(tmp_path: Path
     assert victim.returncode == -signal.SIGKILL, "the run ended before it could be killed part-way"
     assert target.exists() and not (interrupted / "metrics.json").exists()
     killed_at = max(int(p.stem.split("_")[1]) for p in (interrupted / "checkpoints").glob("step_*.pt"))
-    assert killed_at < 90
+    assert killed_at < KILL_STEPS
 
-    out = _finish(_cli(interrupted, *overrides, "resume=auto"))
+    resumed = _cli(interrupted, *overrides, "resume=auto")
+    uninterrupted = make_full_cfg(*overrides)  # trains while the resumed child imports and runs
+    uninterrupted.paths.output_dir = str(reference)
+    train(uninterrupted)
+    out = _finish(resumed)
     assert f"resuming from {interrupted / 'checkpoints'}" in out
-    _finish(uninterrupted)
 
     _assert_bitwise_equal(_weights(reference / "model.pt"), _weights(interrupted / "model.pt"))
     ours, theirs = (json.loads((d / "metrics.json").read_text()) for d in (interrupted, reference))

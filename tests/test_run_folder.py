@@ -11,6 +11,7 @@ import errno
 import fcntl
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,7 +27,7 @@ from adaloss.errors import ConfigError
 from adaloss.runner.engine import run_folder, train
 from adaloss.runner.engine import trainer as trainer_module
 from adaloss.runner.engine.run_folder import LOCK_FILE, RunFolderBusy, RunLock
-from conftest import slow_train_command
+from conftest import FINISHED_CLI, slow_train_command
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -190,21 +191,12 @@ def test_a_fresh_start_after_a_kill_before_the_first_checkpoint_starts_the_logs_
 # ----------------------------------------------------------------------------------------------- .hydra/
 
 
-def test_hydra_files_are_written_by_the_run_once_it_is_accepted(tmp_path: Path) -> None:
+def test_hydra_files_are_written_by_the_run_once_it_is_accepted(finished_cli_run: Path) -> None:
     """configs/hydra/default.yaml turns Hydra's own writing off; the run writes the same three files."""
-    run = tmp_path / "run"
-    overrides = ["dataset=synthetic", "dataset.image_size=16", "dataset.train_size=16", "dataset.test_size=8",
-                 "trainer.batch_size=4", "trainer.max_steps=2", "model=mlp", "device=cpu", "logger=none",
-                 "trainer.progress_bar=false"]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, "train.py", *overrides, f"hydra.run.dir={run}"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert yaml.safe_load((run / ".hydra" / "overrides.yaml").read_text()) == overrides
+    run = finished_cli_run  # python train.py <FINISHED_CLI> hydra.run.dir=<run>, finished
+    assert yaml.safe_load((run / ".hydra" / "overrides.yaml").read_text()) == list(FINISHED_CLI)
     config = yaml.safe_load((run / ".hydra" / "config.yaml").read_text())
-    assert config["model"]["name"] == "mlp" and config["trainer"]["max_steps"] == 2
+    assert config["model"]["name"] == "mlp" and config["trainer"]["max_steps"] == 3
     hydra = yaml.safe_load((run / ".hydra" / "hydra.yaml").read_text())["hydra"]
     assert hydra["runtime"]["output_dir"] == str(run) and hydra["runtime"]["choices"]["model"] == "mlp"
 
@@ -239,21 +231,17 @@ def test_resume_auto_on_a_finished_run_prints_one_line_and_changes_nothing(
 
 
 def test_resume_auto_on_a_finished_run_from_the_command_line_exits_0_with_its_folder_untouched(
-    tmp_path: Path,
+    tmp_path: Path, finished_cli_run: Path
 ) -> None:
+    """The finished run (``python train.py <FINISHED_CLI>``, shared) copied, then the same command with
+    ``resume=auto`` into the copy."""
     run = tmp_path / "run"
-    overrides = ["dataset=synthetic", "dataset.image_size=16", "dataset.train_size=16", "dataset.test_size=8",
-                 "trainer.batch_size=4", "trainer.max_steps=3", "trainer.checkpoint_every=2", "model=mlp",
-                 "device=cpu", "logger=none", "trainer.progress_bar=false",
-                 f"hydra.run.dir={run}"]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "train.py", *overrides]
-    first = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert first.returncode == 0, first.stderr[-3000:]
+    shutil.copytree(finished_cli_run, run)
     before = _snapshot(run)
     assert {"done", "metrics.json", "train.log", "checkpoints/step_2.pt"} <= set(before)
-    again = subprocess.run([*command, "resume=auto"], cwd=ROOT, env=env, capture_output=True, text=True,
-                           timeout=300)  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "train.py", *FINISHED_CLI, f"hydra.run.dir={run}", "resume=auto"]
+    again = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.splitlines() == [
         f"run {run} is finished ({run / 'done'} exists): its metrics are in {run / 'metrics.json'}; "
