@@ -22,11 +22,15 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP) ## create .venv (Python 3.11): torch 2.14.1, torchvision 0.29.1, the package with its runner and test extras
 
-test: setup ## run the test suite on the CPU, two pytest workers (9-15 minutes on 2 shared cores)
-	$(PY) -m pytest -q -n 2 --dist worksteal -m "not slow" tests
+# Two pytest workers, one torch thread each: with torch's default (a thread per core) two workers put twice as
+# many threads as cores to work, and their spin-waits cost a third of the suite's time on the 2-core machines.
+TEST_THREADS ?= OMP_NUM_THREADS=1
 
-test-full: setup ## run every test, the slow ones included (two pytest workers)
-	$(PY) -m pytest -q -n 2 --dist worksteal tests
+test: setup ## run the test suite on the CPU, two pytest workers of one thread (8-15 minutes on 2 shared cores)
+	$(TEST_THREADS) $(PY) -m pytest -q -n 2 --dist worksteal -m "not slow" tests
+
+test-full: setup ## run every test, the slow ones included (two pytest workers of one thread)
+	$(TEST_THREADS) $(PY) -m pytest -q -n 2 --dist worksteal tests
 
 results-check: setup ## rerun the cheapest committed cell of every result on a page; compare bit for bit on the recorded kernel path (6 samples, a few CPU-minutes; --full: make test-full)
 	$(PY) scripts/results_check.py
