@@ -35,10 +35,11 @@ from typing import Any, ClassVar
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from adaloss.errors import ConfigError
 
-__all__ = ["FieldError", "arguments", "check_config", "compose_train", "register", "schema_of"]
+__all__ = ["FieldError", "arguments", "check_config", "compose_train", "group_name", "register", "schema_of"]
 
 
 class FieldError(ValueError):
@@ -201,7 +202,7 @@ class TrainerConf:
         positive_int(self, "max_consecutive_overflows", 100, optional=True)
         choice(self, "on_divergence", ("fail", "record"))
         positive_int(self, "checkpoint_every", 1000, optional=True)
-        number(self, "keep_checkpoints", 2, 0, integer=True)
+        positive_int(self, "keep_checkpoints", 2)
         choice(self, "compile_mode", COMPILE_MODES)
 
 
@@ -1150,6 +1151,27 @@ def _option_names(group: str, named: bool = False) -> set[str]:
     return found
 
 
+def group_name(node: Any, section: str) -> str:
+    """The ``name`` of a group's node (``model``, ``dataset``): a plain, non-empty string, read before the
+    rest of the config resolves; ``ConfigError`` naming the fix otherwise."""
+    try:
+        name = node.get("name")
+    except OmegaConfBaseException as error:
+        raise ConfigError(
+            f"{section}.name cannot be resolved ({_first_line(error)}): give it a plain value"
+        ) from None
+    if not isinstance(name, str) or not name:
+        raise ConfigError(
+            f"{section}.name must be a name, got {name!r}: choose a config with {section}=<option>"
+        )
+    return name
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__
+
+
 def check_node(node: DictConfig, group: str) -> None:
     """One group's node against its schema (:func:`check_config` for a whole config)."""
     kind = schema_of(node)
@@ -1240,7 +1262,7 @@ def _check_ranges(node: DictConfig, kind: type, prefix: str) -> None:
     except Exception as error:  # an interpolation that does not resolve, a value of the wrong type
         where = str(getattr(error, "full_key", None) or prefix or "the config")
         full = f"{prefix}.{where}" if prefix and not where.startswith(prefix) else where
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        first = _first_line(error)
         raise ConfigError(
             f"{full} cannot be resolved: {first}; give {full} a plain value or point its ${{...}} at a key "
             "that exists"
