@@ -166,12 +166,10 @@ def train(cfg: DictConfig, callbacks: Sequence[StepCallback] = ()) -> dict[str, 
             adaloss_log.setLevel(max(logging.WARNING, level))  # one voice: rank 0 logs progress
         numerics = validate_config(cfg, ranks.device)  # every check; the run's (precision, scaler)
         launch = Launch.of(cfg)  # the folder, the resolved config, the resume setting
-        run_dir = launch.run_dir
         if device.type == "cpu":
             tune_cpu_allocator()  # no page faults per step from malloc handing memory back
-        if ranks.is_distributed:
-            # the folder rank 0's Hydra chose (an unset hydra.run.dir holds a timestamp, which may differ)
-            run_dir = Path(ranks.broadcast(str(run_dir)))
+        # under torchrun: the folder rank 0's Hydra chose (an unset hydra.run.dir holds a timestamp)
+        run_dir = Path(ranks.broadcast(str(launch.run_dir))) if ranks.is_distributed else launch.run_dir
         admission = Admission(launch.resume, run_dir, launch.config, ranks)
         if (finished := admission.finished(launch.known_key)) is not None:
             return finished  # resume=auto on a finished run: nothing to do

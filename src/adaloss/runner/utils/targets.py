@@ -43,18 +43,18 @@ __all__ = [
 _SPECIAL = frozenset({"_target_", "_partial_", "_convert_", "_recursive_", "_args_"})
 
 
-def config_items(cfg: Any) -> dict[str, Any]:
+def config_items(node: Any) -> dict[str, Any]:
     """The keys of a config node (DictConfig, dict or attribute object) as plain Python values."""
-    if isinstance(cfg, DictConfig):
-        out = OmegaConf.to_container(cfg, resolve=True)
+    if isinstance(node, DictConfig):
+        out = OmegaConf.to_container(node, resolve=True)
         assert isinstance(out, dict)
         return {str(k): v for k, v in out.items()}
-    if isinstance(cfg, Mapping):
+    if isinstance(node, Mapping):
         return {
             str(k): OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
-            for k, v in cfg.items()
+            for k, v in node.items()
         }
-    return dict(vars(cfg))
+    return dict(vars(node))
 
 
 def locate_target(group: str, path: Any, example: str) -> Callable[..., Any]:
