@@ -1,9 +1,11 @@
 """The composition root of a run: every part built from its config group, once, in one place.
 
 ``train(cfg)`` (:mod:`adaloss.runner.engine.trainer`) reads top-down: check the config and build the numerics
-(:func:`adaloss.runner.engine.config.validate_config`, which calls :func:`build_numerics`), admit the start
-(:mod:`adaloss.runner.engine.admission`), :func:`build_run`, then the loop and the finish. Each group is built
-with :func:`adaloss.runner.utils.targets.build_target` on its ``_target_``:
+(:func:`adaloss.runner.engine.config.validate_config`, which calls :func:`build_numerics`), read what the
+admission needs (:class:`Launch`), admit the start (:mod:`adaloss.runner.engine.admission`),
+:func:`build_run`, then the loop and the finish. Each group is built by
+:func:`adaloss.runner.utils.targets.build_group` (its schema's check, then its ``_target_``), called by the
+group's builder with the group's node:
 
 =============  ==========================================================================================
 group          built by
@@ -17,9 +19,10 @@ schedule       :func:`build_run` (:func:`adaloss.runner.engine.optim.build_sched
 logger         :func:`build_run` binds it; the resume phase calls it (W&B needs the resumed run's id)
 =============  ==========================================================================================
 
-What the start line, the loop and the finish read of the config is :class:`Settings`, read here; the
-trainer reads the config object only to check it, to find its folder and resume setting, and to record it
-(``.hydra/``). Nothing here writes into the run folder.
+This module and its check (:mod:`adaloss.runner.engine.config`) are the only readers of the config object
+besides the schemas (``tests/test_config_reads.py``): what the start line, the loop and the finish read is
+:class:`Settings`, what the admission reads :class:`Launch`, the run key :func:`run_key`; the other modules
+get plain values, or their group's node. Nothing here writes into the run folder.
 """
 
 from __future__ import annotations

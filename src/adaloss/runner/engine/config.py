@@ -6,7 +6,8 @@ traceback:
 
 * every group and section against its schema (:func:`adaloss.runner.schemas.check_config`: keys it does not
   declare, and every range; the types were checked by OmegaConf when Hydra composed the config), which also
-  resolves every ``${...}`` it reads;
+  resolves every ``${...}`` it reads; the model's and dataset's names first
+  (:func:`adaloss.runner.schemas.group_name`);
 * what no single schema can see: the model and the dataset suit each other (a detector needs a detection
   dataset, a classifier images, a language model text), the ``_target_`` of the optimizer and schedule can
   be imported, the device exists, and the precision and scaler can be built (their classes check the
