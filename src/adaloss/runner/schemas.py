@@ -811,6 +811,12 @@ class CifarConf(ImageDatasetConf):
     download: bool = False
     augment: bool = True
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not _unset(self.name) and self.name not in ("cifar10", "cifar100"):  # the builder's two datasets
+            names = ", ".join(bundled_names("dataset"))
+            raise ConfigError(f"unknown dataset '{self.name}' (dataset.name): choose dataset= one of {names}")
+
 
 @dataclass
 class ImageNetConf(ImageDatasetConf):
@@ -1121,6 +1127,18 @@ def _schema_names(group: str) -> dict[str, type]:
             found.setdefault(default, kind)
     found.update({alias: found[target] for alias, target in _ALIASES.get(group, {}).items()})
     return found
+
+
+def bundled_names(group: str) -> tuple[str, ...]:
+    """The names the group's bundled options go by, in :data:`SCHEMAS`' order (``cifar10, cifar100,
+    imagenet, ...`` for ``dataset``): each schema's aliases, then its fixed name."""
+    names: list[str] = []
+    for g, schema_name, kind in SCHEMAS:
+        if g == group:
+            names += [alias for alias, target in _ALIASES.get(group, {}).items() if target == schema_name]
+            spec = _fields(kind).get("name")
+            names += [fixed] if spec is not None and (fixed := _fixed_name(spec)) else []
+    return tuple(names)
 
 
 #: Groups with one schema for every option, and their options' names (an argument: the format).

@@ -28,7 +28,7 @@ from adaloss.runner.data import DATASET_NAMES, DETECTION_DATASET_NAMES, TEXT_DAT
 from adaloss.runner.engine.compose import build_numerics, resolved_config, schedule_length
 from adaloss.runner.engine.tasks import task_class
 from adaloss.runner.models import bundled_model
-from adaloss.runner.schemas import check_config, group_name, schema_of
+from adaloss.runner.schemas import bundled_names, check_config, check_node, group_name, schema_of
 from adaloss.runner.utils.targets import locate_target
 from adaloss.scalers import LossScaler
 
@@ -52,7 +52,8 @@ def _check_model_and_dataset(cfg: DictConfig) -> None:
     dataset = group_name(cfg.dataset, "dataset")
     if dataset not in DATASET_NAMES + DETECTION_DATASET_NAMES + TEXT_DATASET_NAMES:
         if cfg.dataset.get("_target_") is None or str(cfg.dataset._target_).startswith("adaloss."):
-            known = ", ".join(DATASET_NAMES + DETECTION_DATASET_NAMES + TEXT_DATASET_NAMES)
+            check_node(cfg.dataset, "dataset")  # a bundled dataset's schema refuses a name not its own
+            known = ", ".join(bundled_names("dataset"))  # else (dataset=custom without a _target_):
             raise ConfigError(f"unknown dataset '{dataset}' (dataset.name): choose dataset= one of {known}")
         return  # a dataset of the user's own: its task is known once it is built
     _check_kinds(cfg)
