@@ -45,7 +45,7 @@ def initial_val_loss(cfg) -> float:  # noqa: ANN001 - a DictConfig
 
     seed_everything(int(cfg.seed))
     _, val_set, info = build_datasets(cfg.dataset, cfg.paths.data_dir)
-    task = build_task(cfg, info, torch.device("cpu"))
+    task = build_task(cfg.task, cfg.model, info, torch.device("cpu"))
     loader = make_loader(val_set, cfg.trainer.eval_batch_size, train=False, seed=cfg.seed)
     return task.evaluate(task.model, loader, build_precision(cfg.precision, "cpu")).value
 

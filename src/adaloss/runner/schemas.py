@@ -36,12 +36,13 @@ from typing import Any, ClassVar
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from adaloss.errors import ConfigError
 from adaloss.scalers.base import OptionError
 from adaloss.scalers.recipe import AdaptiveRecipe
 
-__all__ = ["FieldError", "arguments", "check_config", "compose_train", "register", "schema_of"]
+__all__ = ["FieldError", "arguments", "check_config", "compose_train", "group_name", "register", "schema_of"]
 
 
 class FieldError(ValueError):
@@ -204,7 +205,7 @@ class TrainerConf:
         positive_int(self, "max_consecutive_overflows", 100, optional=True)
         choice(self, "on_divergence", ("fail", "record"))
         positive_int(self, "checkpoint_every", 1000, optional=True)
-        number(self, "keep_checkpoints", 2, 0, integer=True)
+        positive_int(self, "keep_checkpoints", 2)
         choice(self, "compile_mode", COMPILE_MODES)
 
 
@@ -813,6 +814,12 @@ class CifarConf(ImageDatasetConf):
     download: bool = False
     augment: bool = True
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not _unset(self.name) and self.name not in ("cifar10", "cifar100"):  # the builder's two datasets
+            names = ", ".join(bundled_names("dataset"))
+            raise ConfigError(f"unknown dataset '{self.name}' (dataset.name): choose dataset= one of {names}")
+
 
 @dataclass
 class ImageNetConf(ImageDatasetConf):
@@ -1125,6 +1132,18 @@ def _schema_names(group: str) -> dict[str, type]:
     return found
 
 
+def bundled_names(group: str) -> tuple[str, ...]:
+    """The names the group's bundled options go by, in :data:`SCHEMAS`' order (``cifar10, cifar100,
+    imagenet, ...`` for ``dataset``): each schema's aliases, then its fixed name."""
+    names: list[str] = []
+    for g, schema_name, kind in SCHEMAS:
+        if g == group:
+            names += [alias for alias, target in _ALIASES.get(group, {}).items() if target == schema_name]
+            spec = _fields(kind).get("name")
+            names += [fixed] if spec is not None and (fixed := _fixed_name(spec)) else []
+    return tuple(names)
+
+
 #: Groups with one schema for every option, and their options' names (an argument: the format).
 _SINGLE = {"precision": PrecisionConf}
 _SINGLE_NAMES = {"precision": ("fp32", "fp16", "bf16", "fp8_e5m2", "fp8_e4m3", "nvfp4", "mxfp4")}
@@ -1151,6 +1170,27 @@ def _option_names(group: str, named: bool = False) -> set[str]:
         if isinstance(default, str) and default not in (MISSING, "custom"):
             found.add(default)
     return found
+
+
+def group_name(node: Any, section: str) -> str:
+    """The ``name`` of a group's node (``model``, ``dataset``): a plain, non-empty string, read before the
+    rest of the config resolves; ``ConfigError`` naming the fix otherwise."""
+    try:
+        name = node.get("name")
+    except OmegaConfBaseException as error:
+        raise ConfigError(
+            f"{section}.name cannot be resolved ({_first_line(error)}): give it a plain value"
+        ) from None
+    if not isinstance(name, str) or not name:
+        raise ConfigError(
+            f"{section}.name must be a name, got {name!r}: choose a config with {section}=<option>"
+        )
+    return name
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__
 
 
 def check_node(node: DictConfig, group: str) -> None:
@@ -1243,7 +1283,7 @@ def _check_ranges(node: DictConfig, kind: type, prefix: str) -> None:
     except Exception as error:  # an interpolation that does not resolve, a value of the wrong type
         where = str(getattr(error, "full_key", None) or prefix or "the config")
         full = f"{prefix}.{where}" if prefix and not where.startswith(prefix) else where
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        first = _first_line(error)
         raise ConfigError(
             f"{full} cannot be resolved: {first}; give {full} a plain value or point its ${{...}} at a key "
             "that exists"

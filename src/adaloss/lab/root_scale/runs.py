@@ -61,7 +61,7 @@ def bench(task: str, steps: int, rounds: int) -> dict[str, Any]:
         seed_everything(0)
         if not setups:
             train_set, _, info = build_datasets(cfg.dataset, cfg.paths.data_dir)
-            base = build_task(cfg, info, torch.device("cpu"))
+            base = build_task(cfg.task, cfg.model, info, torch.device("cpu"))
             base.initialize(train_set)
             loader = make_loader(
                 train_set, cfg.trainer.batch_size, train=True, seed=0, collate_fn=base.collate_fn

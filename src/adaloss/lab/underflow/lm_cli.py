@@ -83,7 +83,7 @@ def _train(run_cfg, info, steps: int) -> tuple[torch.nn.Module, dict[str, Any]]:
             metrics = train(run_cfg)
         except ConfigError as error:
             raise SystemExit(f"error: {str(error).strip().splitlines()[0]}") from None
-        trained = build_task(run_cfg, info, torch.device("cpu")).model
+        trained = build_task(run_cfg.task, run_cfg.model, info, torch.device("cpu")).model
         trained.load_state_dict(torch.load(Path(scratch) / "model.pt", weights_only=True))
     return trained, metrics
 
@@ -98,7 +98,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     run_cfg, configs = _configs(args)
     seed_everything(args.seed)  # the trainer's order: seed, data, model: the weights the run starts from
     train_set, _, info = build_datasets(run_cfg.dataset, run_cfg.paths.data_dir)
-    init = build_task(run_cfg, info, torch.device("cpu")).model
+    init = build_task(run_cfg.task, run_cfg.model, info, torch.device("cpu")).model
     x, y = measurement_batch(train_set, args.batch or int(run_cfg.trainer.batch_size), args.seed)
     trained, metrics = _train(run_cfg, info, args.steps)
     measured = {

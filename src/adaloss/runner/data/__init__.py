@@ -38,17 +38,13 @@ def build_datasets(cfg: Any, data_dir: str | os.PathLike[str]) -> tuple[Any, Any
     that name, :mod:`adaloss.runner.schemas`). ``ConfigError`` for an unknown name or key, a wrong type, a
     value out of range or missing data.
     """
-    from adaloss.errors import ConfigError
-    from adaloss.runner.schemas import typed
-    from adaloss.runner.utils.targets import build_target
+    from adaloss.runner.utils.targets import build_group
 
-    node = typed("dataset", cfg)
-    made = build_target(
-        "dataset", node, example="dataset=custom dataset._target_=my_pkg.my_data", fill={"data_dir": data_dir}
-    )
-    if not (isinstance(made, tuple) and len(made) == 3):
-        raise ConfigError(
-            f"dataset._target_={node.get('_target_')} returned a {type(made).__name__}, not (train_set, "
-            "test_set, info): return the two datasets and an adaloss.runner.data.DatasetInfo"
-        )
-    return made
+    return build_group(
+        "dataset", cfg, example="dataset=custom dataset._target_=my_pkg.my_data", fill={"data_dir": data_dir},
+        expect=(
+            lambda made: isinstance(made, tuple) and len(made) == 3,
+            "returned a {made}, not (train_set, test_set, info): return the two datasets and an "
+            "adaloss.runner.data.DatasetInfo",
+        ),
+    )  # fmt: skip

@@ -142,18 +142,18 @@ def _cifar_files(cls: type[tvd.CIFAR10]) -> list[str]:
     return [f for f, _ in cls.train_list + cls.test_list] + [cls.meta["filename"]]
 
 
-def _build_cifar(cfg: dict[str, Any], name: str, data_dir: Path) -> tuple[Dataset, Dataset, DatasetInfo]:
+def _build_cifar(args: dict[str, Any], name: str, data_dir: Path) -> tuple[Dataset, Dataset, DatasetInfo]:
     cls, pretty, classes = (_CIFAR10, "CIFAR-10", 10) if name == "cifar10" else (_CIFAR100, "CIFAR-100", 100)
     default_mean, default_std = (
         (_CIFAR10_MEAN, _CIFAR10_STD) if name == "cifar10" else (_CIFAR100_MEAN, _CIFAR100_STD)
     )
-    num_classes = _check_num_classes(cfg["num_classes"], name, classes)
-    image_size = 32 if cfg["image_size"] is None else cfg["image_size"]
+    num_classes = _check_num_classes(args["num_classes"], name, classes)
+    image_size = 32 if args["image_size"] is None else args["image_size"]
     if image_size != 32:
         raise ConfigError(f"{pretty} images are 32x32, but dataset.image_size={image_size}")
-    mean = _stats("mean", cfg["mean"], default_mean, 3)
-    std = _stats("std", cfg["std"], default_std, 3)
-    augment, download = bool(cfg["augment"]), bool(cfg["download"])
+    mean = _stats("mean", args["mean"], default_mean, 3)
+    std = _stats("std", args["std"], default_std, 3)
+    augment, download = bool(args["augment"]), bool(args["download"])
 
     folder = data_dir / cls.base_folder
     missing = [f for f in _cifar_files(cls) if not (folder / f).is_file()]
@@ -205,11 +205,11 @@ def _image_folder(path: Path, split: str, transform: Any) -> tvd.ImageFolder:
         raise ConfigError(f"ImageNet {split} split at {path} has no images: {hint}") from exc
 
 
-def _build_imagenet(cfg: dict[str, Any], data_dir: Path) -> tuple[Dataset, Dataset, DatasetInfo]:
-    num_classes = 1000 if cfg["num_classes"] is None else cfg["num_classes"]  # null: ILSVRC2012's classes
-    image_size = 224 if cfg["image_size"] is None else cfg["image_size"]  # null: the usual 224 crop
-    mean = _stats("mean", cfg["mean"], _IMAGENET_MEAN, 3)
-    std = _stats("std", cfg["std"], _IMAGENET_STD, 3)
+def _build_imagenet(args: dict[str, Any], data_dir: Path) -> tuple[Dataset, Dataset, DatasetInfo]:
+    num_classes = 1000 if args["num_classes"] is None else args["num_classes"]  # null: ILSVRC2012's classes
+    image_size = 224 if args["image_size"] is None else args["image_size"]  # null: the usual 224 crop
+    mean = _stats("mean", args["mean"], _IMAGENET_MEAN, 3)
+    std = _stats("std", args["std"], _IMAGENET_STD, 3)
     root = data_dir / "imagenet"
     train = _image_folder(root / "train", "train", tr.imagenet_train_transform(mean, std, image_size))
     test = _image_folder(root / "val", "val", tr.imagenet_eval_transform(mean, std, image_size))
@@ -231,16 +231,16 @@ def _build_imagenet(cfg: dict[str, Any], data_dir: Path) -> tuple[Dataset, Datas
 # --------------------------------------------------------------------------------------------- digits
 
 
-def _build_digits(cfg: dict[str, Any]) -> tuple[Dataset, Dataset, DatasetInfo]:
+def _build_digits(args: dict[str, Any]) -> tuple[Dataset, Dataset, DatasetInfo]:
     from sklearn.datasets import load_digits  # bundled with scikit-learn: no download
     from sklearn.model_selection import train_test_split
 
-    num_classes = _check_num_classes(cfg["num_classes"], "digits", 10)
-    image_size = 32 if cfg["image_size"] is None else cfg["image_size"]
+    num_classes = _check_num_classes(args["num_classes"], "digits", 10)
+    image_size = 32 if args["image_size"] is None else args["image_size"]
     if image_size < 8:
         raise ConfigError(f"dataset.image_size must be >= 8 (the digits are 8x8), got {image_size}")
-    fraction, split_seed = float(cfg["test_fraction"]), cfg["split_seed"]
-    translate = cfg["translate"] if cfg["augment"] else 0
+    fraction, split_seed = float(args["test_fraction"]), args["split_seed"]
+    translate = args["translate"] if args["augment"] else 0
 
     pixels, labels = load_digits(return_X_y=True)
     index = np.arange(len(labels))
@@ -275,17 +275,17 @@ def _build_digits(cfg: dict[str, Any]) -> tuple[Dataset, Dataset, DatasetInfo]:
 # ------------------------------------------------------------------------------------------ synthetic
 
 
-def _build_synthetic(cfg: dict[str, Any]) -> tuple[Dataset, Dataset, DatasetInfo]:
+def _build_synthetic(args: dict[str, Any]) -> tuple[Dataset, Dataset, DatasetInfo]:
     """Seeded class templates plus noise, learnable by any model in a few steps.
 
     Each class has a fixed smooth random template (8x8 noise, bilinearly upsampled, unit variance); a sample
     is its class template plus i.i.d. Gaussian noise of std ``noise``, scaled to unit variance. Classes are
     balanced. Everything is drawn from one generator seeded with ``seed``: same seed, same tensors.
     """
-    num_classes = 10 if cfg["num_classes"] is None else cfg["num_classes"]  # null: 10 templates
-    image_size = 32 if cfg["image_size"] is None else cfg["image_size"]  # null: CIFAR's 32x32
-    channels, train_size, test_size = cfg["channels"], cfg["train_size"], cfg["test_size"]
-    seed, noise = cfg["seed"], float(cfg["noise"])
+    num_classes = 10 if args["num_classes"] is None else args["num_classes"]  # null: 10 templates
+    image_size = 32 if args["image_size"] is None else args["image_size"]  # null: CIFAR's 32x32
+    channels, train_size, test_size = args["channels"], args["train_size"], args["test_size"]
+    seed, noise = args["seed"], float(args["noise"])
 
     gen = torch.Generator().manual_seed(seed)
     coarse = min(8, image_size)
@@ -326,8 +326,8 @@ def cifar(
 ) -> tuple[Dataset, Dataset, DatasetInfo]:  # fmt: skip
     """``dataset=cifar10`` / ``cifar100`` (``name``), under ``data_dir``."""
     fields = {"num_classes": num_classes, "image_size": image_size, "mean": mean, "std": std}
-    cfg = {**fields, "download": download, "augment": augment}
-    return _build_cifar(cfg, name, Path(data_dir).expanduser().resolve())
+    args = {**fields, "download": download, "augment": augment}
+    return _build_cifar(args, name, Path(data_dir).expanduser().resolve())
 
 
 def imagenet(
@@ -335,8 +335,8 @@ def imagenet(
     mean: Sequence[float] | None, std: Sequence[float] | None,
 ) -> tuple[Dataset, Dataset, DatasetInfo]:  # fmt: skip
     """``dataset=imagenet``: ImageFolder ``imagenet/train`` and ``imagenet/val`` under ``data_dir``."""
-    cfg = {"num_classes": num_classes, "image_size": image_size, "mean": mean, "std": std}
-    return _build_imagenet(cfg, Path(data_dir).expanduser().resolve())
+    args = {"num_classes": num_classes, "image_size": image_size, "mean": mean, "std": std}
+    return _build_imagenet(args, Path(data_dir).expanduser().resolve())
 
 
 def digits(

@@ -122,10 +122,10 @@ def pystdlib_files(stdlib: str | os.PathLike[str] | None = None) -> list[Path]:
     return files
 
 
-def _build_pystdlib(cfg: dict[str, Any]) -> tuple[Dataset, Dataset, TextInfo]:
-    block_size, every, val_windows = cfg["block_size"], cfg["holdout_every"], cfg["val_windows"]
-    stride = 1 if cfg["stride"] is None else cfg["stride"]  # null: every window
-    files = pystdlib_files(cfg["stdlib"])
+def _build_pystdlib(args: dict[str, Any]) -> tuple[Dataset, Dataset, TextInfo]:
+    block_size, every, val_windows = args["block_size"], args["holdout_every"], args["val_windows"]
+    stride = 1 if args["stride"] is None else args["stride"]  # null: every window
+    files = pystdlib_files(args["stdlib"])
     train_parts, val_parts = [], []
     digest = hashlib.sha256()
     for i, path in enumerate(files):
@@ -187,13 +187,13 @@ def read_token_folder(folder: Path) -> tuple[np.memmap, np.memmap, dict[str, Any
     return arrays[0], arrays[1], meta
 
 
-def _build_tokens(cfg: dict[str, Any], data_dir: Path) -> tuple[Dataset, Dataset, TextInfo]:
-    block_size, val_windows = cfg["block_size"], cfg["val_windows"]
-    stride = block_size if cfg["stride"] is None else cfg["stride"]  # null: non-overlapping windows
-    folder = Path(str(cfg["folder"])).expanduser()
+def _build_tokens(args: dict[str, Any], data_dir: Path) -> tuple[Dataset, Dataset, TextInfo]:
+    block_size, val_windows = args["block_size"], args["val_windows"]
+    stride = block_size if args["stride"] is None else args["stride"]  # null: non-overlapping windows
+    folder = Path(str(args["folder"])).expanduser()
     folder = folder if folder.is_absolute() else data_dir / folder
     train, val, meta = read_token_folder(folder)
-    vocab = cfg["vocab_size"] or meta.get("vocab_size")
+    vocab = args["vocab_size"] or meta.get("vocab_size")
     if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 2:
         raise ConfigError(
             f"the vocabulary size of {folder} is unknown (got {vocab!r}): set dataset.vocab_size=<tokens "
@@ -237,6 +237,6 @@ def tokens(
     stride: int | None, val_windows: int | None,
 ) -> tuple[Dataset, Dataset, TextInfo]:  # fmt: skip
     """``dataset=tokens`` (the config's ``_target_``): ``train.bin``/``val.bin`` under ``data_dir``."""
-    cfg = {"folder": folder, "vocab_size": vocab_size, "block_size": block_size, "stride": stride,
+    args = {"folder": folder, "vocab_size": vocab_size, "block_size": block_size, "stride": stride,
            "val_windows": val_windows}  # fmt: skip
-    return _build_tokens(cfg, Path(data_dir).expanduser().resolve())
+    return _build_tokens(args, Path(data_dir).expanduser().resolve())

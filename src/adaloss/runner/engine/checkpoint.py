@@ -189,23 +189,11 @@ class CheckpointManager:
     """
 
     def __init__(self, run_dir: Path, every: int | None = None, keep: int = 2) -> None:
-        for value, key, example in ((every, "checkpoint_every", 1000), (keep, "keep_checkpoints", 2)):
-            if value is None and key == "checkpoint_every":
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                hint = " or null (no checkpoints)" if key == "checkpoint_every" else ""
-                raise ConfigError(
-                    f"trainer.{key} must be a positive integer{hint}, got {value!r}; "
-                    f"e.g. trainer.{key}={example}"
-                )
+        """``every``: ``trainer.checkpoint_every`` (None: no saving); ``keep``: ``trainer.keep_checkpoints``
+        (both checked by their schema, :class:`adaloss.runner.schemas.TrainerConf`)."""
         self.folder = Path(run_dir) / "checkpoints"
         self.every = every
         self.keep = keep
-
-    @classmethod
-    def from_config(cls, cfg_trainer: Any, run_dir: Path) -> CheckpointManager:
-        """From ``trainer.checkpoint_every`` (default: none) and ``trainer.keep_checkpoints`` (default 2)."""
-        return cls(run_dir, cfg_trainer.get("checkpoint_every"), cfg_trainer.get("keep_checkpoints", 2))
 
     # ------------------------------------------------------------------ finding
 

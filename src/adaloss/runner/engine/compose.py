@@ -1,9 +1,11 @@
 """The composition root of a run: every part built from its config group, once, in one place.
 
 ``train(cfg)`` (:mod:`adaloss.runner.engine.trainer`) reads top-down: check the config and build the numerics
-(:func:`adaloss.runner.engine.config.validate_config`, which calls :func:`build_numerics`), admit the start
-(:mod:`adaloss.runner.engine.admission`), :func:`build_run`, then the loop and the finish. Each group is built
-with :func:`adaloss.runner.utils.targets.build_target` on its ``_target_``:
+(:func:`adaloss.runner.engine.config.validate_config`, which calls :func:`build_numerics`), read what the
+admission needs (:class:`Launch`), admit the start (:mod:`adaloss.runner.engine.admission`),
+:func:`build_run`, then the loop and the finish. Each group is built by
+:func:`adaloss.runner.utils.targets.build_group` (its schema's check, then its ``_target_``), called by the
+group's builder with the group's node:
 
 =============  ==========================================================================================
 group          built by
@@ -17,9 +19,10 @@ schedule       :func:`build_run` (:func:`adaloss.runner.engine.optim.build_sched
 logger         :func:`build_run` binds it; the resume phase calls it (W&B needs the resumed run's id)
 =============  ==========================================================================================
 
-What the start line, the loop and the finish read of the config is :class:`Settings`, read here; the
-trainer reads the config object only to check it, to find its folder and resume setting, and to record it
-(``.hydra/``). Nothing here writes into the run folder.
+This module and its check (:mod:`adaloss.runner.engine.config`) are the only readers of the config object
+besides the schemas (``tests/test_config_reads.py``): what the start line, the loop and the finish read is
+:class:`Settings`, what the admission reads :class:`Launch`, the run key :func:`run_key`; the other modules
+get plain values, or their group's node. Nothing here writes into the run folder.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from adaloss.runner.data import build_datasets, make_loader
 from adaloss.runner.data.loaders import BatchStream
 from adaloss.runner.engine.checkpoint import CheckpointManager, CheckpointParts, Progress, config_key
 from adaloss.runner.engine.compiling import StepCompiler
-from adaloss.runner.engine.faults import DivergenceGuard, GradientFaults, SkippedStepReport
+from adaloss.runner.engine.faults import DivergenceGuard, GradientFaults, SkippedStepReport, parse_faults
 from adaloss.runner.engine.optim import build_optimizer, build_schedule
 from adaloss.runner.engine.tasks import Task, build_task
 from adaloss.runner.logging import ProgressBar, TelemetryLog, build_logger
@@ -55,7 +58,17 @@ from adaloss.runner.utils.targets import build_precision, build_scaler
 from adaloss.scalers import LossScaler
 from adaloss.telemetry import UnderflowMonitor
 
-__all__ = ["Run", "Settings", "build_numerics", "build_run", "schedule_length"]
+__all__ = [
+    "Launch",
+    "Run",
+    "Settings",
+    "build_numerics",
+    "build_run",
+    "launch_device",
+    "resolved_config",
+    "run_key",
+    "schedule_length",
+]
 
 
 def build_numerics(cfg: DictConfig, device: str | torch.device) -> tuple[Precision, LossScaler]:
@@ -85,12 +98,10 @@ class Settings:
 
     @classmethod
     def of(cls, cfg: DictConfig) -> Settings:
-        """From the composed config; ``ConfigError`` for a ``trainer.on_divergence`` other than fail or
-        record."""
+        """From the composed config, checked (``trainer.on_divergence`` is fail or record: its schema,
+        :class:`adaloss.runner.schemas.TrainerConf`, says so)."""
         trainer = cfg.trainer
         on_divergence = str(trainer.on_divergence)
-        if on_divergence not in ("fail", "record"):
-            raise ConfigError(f"trainer.on_divergence must be 'fail' or 'record', got '{on_divergence}'")
         clip = None if trainer.grad_clip is None else float(trainer.grad_clip)
         return cls(
             str(cfg.name), str(cfg.model.name), str(cfg.scaler.name), int(trainer.batch_size), clip,
@@ -103,7 +114,7 @@ class Settings:
 class Run:
     """One run's parts, built from its config, and the loop's running state: what the phases share."""
 
-    cfg: DictConfig  # the composed config: only written to .hydra/ when the folder becomes the run's
+    config_yaml: str  # the composed config (YAML): .hydra/config.yaml once the folder is the run's
     settings: Settings
     run_dir: Path
     config: dict[str, Any]  # the resolved config: recorded in checkpoints, W&B and metrics.json
@@ -131,7 +142,7 @@ class Run:
     window: Any  # the task's on-device training sums since the last log line
     progress: Progress
     parts: CheckpointParts
-    make_logger: Callable[..., Any]  # build_logger(cfg.logger, ...): W&B needs the resumed run's id
+    make_logger: Callable[..., Any]  # build_logger(the logger node, ...): W&B needs the resumed run's id
     # opened by the trainer's resume phase, once the folder is the run's
     history: TelemetryLog | None = None
     scalars: ScalarLog | None = None
@@ -190,9 +201,9 @@ def build_run(
     )
     guard = DivergenceGuard(cfg.trainer.max_consecutive_overflows)
     settings = Settings.of(cfg)
-    faults = GradientFaults.from_config(cfg.get("faults"), module)  # test hook; no-op unless faults.inject
-    checkpoints = CheckpointManager.from_config(cfg.trainer, run_dir)
-    key = config_key(cfg, steps)
+    faults = GradientFaults(module, parse_faults(_plain(OmegaConf.select(cfg, "faults.inject"))))  # test hook
+    checkpoints = CheckpointManager(run_dir, cfg.trainer.checkpoint_every, cfg.trainer.keep_checkpoints)
+    key = run_key(cfg, steps)
     batches, window = BatchStream(train_loader), task.new_window()
     progress = Progress(best_value=task.initial_best)
     parts = CheckpointParts(
@@ -201,10 +212,71 @@ def build_run(
     )  # fmt: skip
     make_logger = functools.partial(build_logger, cfg.logger, run_dir, config)
     return Run(
-        cfg, settings, run_dir, config, ranks, started, task, info, test_loader, steps, full_steps, precision,
-        provenance, scaler, module, model, compiler, optimizer, scheduler, monitor, guard, faults,
-        checkpoints, key, batches, window, progress, parts, make_logger,
+        OmegaConf.to_yaml(cfg), settings, run_dir, config, ranks, started, task, info, test_loader, steps,
+        full_steps, precision, provenance, scaler, module, model, compiler, optimizer, scheduler, monitor,
+        guard, faults, checkpoints, key, batches, window, progress, parts, make_logger,
     )  # fmt: skip
+
+
+def launch_device(cfg: DictConfig) -> torch.device:
+    """The process's device (``device``): the one setting read before the config is checked (joining the
+    process group needs it)."""
+    return select_device(cfg.device)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What ``train`` reads of a checked config before the build: where the run lives and from where it
+    starts."""
+
+    run_dir: Path  # paths.output_dir
+    config: dict[str, Any]  # the resolved config: recorded in checkpoints, W&B and metrics.json
+    resume: Any  # resume: auto, a checkpoint file, or None
+    name: str  # the run's name, for a sweep job's log lines
+    known_key: dict[str, Any]  # run_key() with the length where the config alone fixes it
+
+    @classmethod
+    def of(cls, cfg: DictConfig) -> Launch:
+        """From the checked config; ``ConfigError`` when ``paths.output_dir`` cannot be resolved."""
+        try:
+            run_dir = Path(str(cfg.paths.output_dir))
+        except Exception as error:  # the ${hydra:...} default only resolves inside @hydra.main
+            raise ConfigError(
+                f"paths.output_dir cannot be resolved ({error}); set paths.output_dir=<folder> when "
+                "composing the config outside train.py"
+            ) from None
+        # the run length where the config alone fixes it (trainer.steps; else the data does, and the
+        # length is left out): what a finished run's record is compared with before the build
+        steps = schedule_length(cfg.trainer, 0)[1] if cfg.trainer.get("steps") is not None else None
+        return cls(run_dir, resolved_config(cfg), cfg.get("resume"), str(cfg.name), run_key(cfg, steps))
+
+
+def resolved_config(cfg: DictConfig) -> dict[str, Any]:
+    """The config as plain containers with every interpolation resolved, without Hydra's own node.
+
+    This is what W&B and ``metrics.json`` record, so a result can be traced to the exact values that made
+    it. Cost: one walk over the config.
+    """
+    # Hydra's node (present with compose(return_hydra_config=True)) is dropped before resolving: parts of
+    # it (hydra.job.num) exist only inside a launched job.
+    own = OmegaConf.masked_copy(cfg, [key for key in cfg.keys() if key != "hydra"])
+    container = OmegaConf.to_container(own, resolve=True, throw_on_missing=False)
+    assert isinstance(container, dict)
+    return container
+
+
+def run_key(cfg: DictConfig, steps: int | None) -> dict[str, Any]:
+    """:func:`~adaloss.runner.engine.run_key.config_key` of the config's settings: the groups' names,
+    ``trainer.batch_size`` and ``seed``, with the run's ``steps`` (None: left out)."""
+    return config_key(
+        cfg.model.name, cfg.dataset.name, cfg.scaler.name, cfg.precision.name, cfg.trainer.batch_size,
+        cfg.seed, steps,
+    )  # fmt: skip
+
+
+def _plain(value: Any) -> Any:
+    """A config value as plain lists and dicts (resolved); other values as they are."""
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
 
 
 def _strategy(cfg: DictConfig, ranks: DistInfo) -> str:
@@ -247,7 +319,7 @@ def _build_data(cfg: DictConfig, ranks: DistInfo) -> tuple[Task, Any, DataLoader
     the dataset's info and the training and test loaders."""
     device = ranks.device
     train_set, test_set, info = build_datasets(cfg.dataset, cfg.paths.data_dir)
-    task = build_task(cfg, info, device)
+    task = build_task(cfg.task, cfg.model, info, device)
     task.initialize(train_set)  # e.g. model.init=lsuv; the same on every rank (same seed, same samples)
     workers = int(cfg.trainer.num_workers)
     # batch_size is the global batch; under DDP each rank loads its share of every global batch

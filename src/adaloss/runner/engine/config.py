@@ -6,7 +6,8 @@ traceback:
 
 * every group and section against its schema (:func:`adaloss.runner.schemas.check_config`: keys it does not
   declare, and every range; the types were checked by OmegaConf when Hydra composed the config), which also
-  resolves every ``${...}`` it reads;
+  resolves every ``${...}`` it reads; the model's and dataset's names first
+  (:func:`adaloss.runner.schemas.group_name`);
 * what no single schema can see: the model and the dataset suit each other (a detector needs a detection
   dataset, a classifier images, a language model text), the ``_target_`` of the optimizer and schedule can
   be imported, the device exists, and the precision and scaler can be built (their classes check the
@@ -18,18 +19,16 @@ Data on disk is checked by the dataset builders, which read it.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf import DictConfig
 
 from adaloss.errors import ConfigError
 from adaloss.precision import Precision
 from adaloss.runner.data import DATASET_NAMES, DETECTION_DATASET_NAMES, TEXT_DATASET_NAMES
-from adaloss.runner.engine.compose import build_numerics, schedule_length
-from adaloss.runner.engine.tasks import check_model_and_dataset
-from adaloss.runner.schemas import check_config
+from adaloss.runner.engine.compose import build_numerics, resolved_config, schedule_length
+from adaloss.runner.engine.tasks import task_class
+from adaloss.runner.models import bundled_model
+from adaloss.runner.schemas import bundled_names, check_config, check_node, group_name, schema_of
 from adaloss.runner.utils.targets import locate_target
 from adaloss.scalers import LossScaler
 
@@ -49,33 +48,65 @@ def validate_config(cfg: DictConfig, device: str | torch.device = "cpu") -> tupl
 def _check_model_and_dataset(cfg: DictConfig) -> None:
     """A model and the task the dataset selects that agree (classification, detection or language
     modelling). Reads the names, the model's schema and the task's class; imports no model."""
-    _name(cfg.model, "model")
-    dataset = _name(cfg.dataset, "dataset")
+    group_name(cfg.model, "model")
+    dataset = group_name(cfg.dataset, "dataset")
     if dataset not in DATASET_NAMES + DETECTION_DATASET_NAMES + TEXT_DATASET_NAMES:
         if cfg.dataset.get("_target_") is None or str(cfg.dataset._target_).startswith("adaloss."):
-            known = ", ".join(DATASET_NAMES + DETECTION_DATASET_NAMES + TEXT_DATASET_NAMES)
+            check_node(cfg.dataset, "dataset")  # a bundled dataset's schema refuses a name not its own
+            known = ", ".join(bundled_names("dataset"))  # else (dataset=custom without a _target_):
             raise ConfigError(f"unknown dataset '{dataset}' (dataset.name): choose dataset= one of {known}")
         return  # a dataset of the user's own: its task is known once it is built
-    check_model_and_dataset(cfg)
+    _check_kinds(cfg)
 
 
-def _name(node: Any, section: str) -> str:
-    try:
-        name = node.get("name")
-    except OmegaConfBaseException as error:
+#: Per kind of data (a task's ``kind``): what its models and its datasets are called in messages, and
+#: examples of each.
+_KINDS = {
+    "classification": (
+        "an image classifier",
+        "classification",
+        "model=resnet20 or model=vit",
+        "dataset=digits",
+    ),
+    "detection": ("a detector", "detection", "model=ssd512 or model=ssd300", "dataset=shapes or dataset=voc"),
+    "language_model": ("a language model", "text", "model=gpt", "dataset=pystdlib or dataset=tokens"),
+}
+
+
+def _check_kinds(cfg: DictConfig) -> None:
+    """``ConfigError`` unless a bundled model suits the task its dataset selects (``task``: a detector
+    needs detection data, a language model text, a classifier images). A model of the user's own
+    (``model=custom``) and a task of the user's without a ``kind`` are checked when they are built. Reads
+    the names and the model's schema; builds nothing."""
+    name, bundled = bundled_model(cfg.model)
+    model_kind = getattr(schema_of(bundled), "TASK", None) if bundled is not None else None
+    data_kind = task_class(cfg.task).kind
+    held = getattr(schema_of(cfg.dataset), "TASK", None)  # what a bundled dataset holds
+    if held is not None and data_kind is not None and held != data_kind:
         raise ConfigError(
-            f"{section}.name cannot be resolved ({_first_line(error)}): give it a plain value"
-        ) from None
-    if not isinstance(name, str) or not name:
-        raise ConfigError(
-            f"{section}.name must be a name, got {name!r}: choose a config with {section}=<option>"
+            f"task={cfg.task.name} trains {data_kind} but dataset={cfg.dataset.name} holds {held} data: "
+            f"leave the task to the dataset (task={held}) or choose a {data_kind} dataset"
         )
-    return name
-
-
-def _first_line(error: BaseException) -> str:
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return lines[0] if lines else type(error).__name__
+    if model_kind is None or data_kind is None or model_kind == data_kind:
+        return
+    dataset = f"{cfg.dataset.name}"
+    task = f"(task={cfg.task.name})"
+    if "detection" in (model_kind, data_kind) and "language_model" not in (model_kind, data_kind):
+        if model_kind == "detection":
+            raise ConfigError(
+                f"model={name} is a detector but dataset={dataset} is a classification dataset {task}: use "
+                "a detection dataset (dataset=shapes or dataset=voc) or a classifier (e.g. model=resnet20)"
+            )
+        raise ConfigError(
+            f"dataset={dataset} is a detection dataset but model={name} is a classifier {task}: use a "
+            "detector (model=ssd512 or model=ssd300) or a classification dataset (e.g. dataset=cifar10)"
+        )
+    what, _, _, model_data = _KINDS[model_kind]
+    _, data_what, data_model, _ = _KINDS[data_kind]
+    raise ConfigError(
+        f"model={name} is {what} but dataset={dataset} is a {data_what} dataset {task}: use {model_data} "
+        f"for this model, or {data_model} for this dataset"
+    )
 
 
 def _check_targets(cfg: DictConfig) -> None:
@@ -83,20 +114,6 @@ def _check_targets(cfg: DictConfig) -> None:
     data and the model)."""
     locate_target("optimizer", cfg.optimizer.get("_target_"), "optimizer=adamw")
     locate_target("schedule", cfg.schedule.get("_target_"), "schedule=cosine")
-
-
-def resolved_config(cfg: DictConfig) -> dict[str, Any]:
-    """The config as plain containers with every interpolation resolved, without Hydra's own node.
-
-    This is what W&B and ``metrics.json`` record, so a result can be traced to the exact values that made
-    it. Cost: one walk over the config.
-    """
-    # Hydra's node (present with compose(return_hydra_config=True)) is dropped before resolving: parts of
-    # it (hydra.job.num) exist only inside a launched job.
-    own = OmegaConf.masked_copy(cfg, [key for key in cfg.keys() if key != "hydra"])
-    container = OmegaConf.to_container(own, resolve=True, throw_on_missing=False)
-    assert isinstance(container, dict)
-    return container
 
 
 __all__ = ["resolved_config", "schedule_length", "validate_config"]

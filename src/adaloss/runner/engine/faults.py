@@ -237,11 +237,6 @@ class GradientFaults:
                 spec.value, spec.layer, spec.step, until,
             )  # fmt: skip
 
-    @classmethod
-    def from_config(cls, cfg_faults: Any, model: nn.Module) -> GradientFaults:
-        entries = cfg_faults.get("inject") if hasattr(cfg_faults, "get") else None
-        return cls(model, parse_faults(entries))
-
     def arm(self, iteration: int) -> None:
         """Set the iteration (1-based) whose backward pass comes next."""
         self.iteration = iteration

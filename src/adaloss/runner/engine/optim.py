@@ -1,7 +1,7 @@
 """The optimizer and the learning-rate schedule, from the ``optimizer`` and ``schedule`` config groups.
 
 Both groups name what they build with ``_target_`` and are ``_partial_: true`` configs
-(:func:`adaloss.runner.utils.targets.build_target`): the optimizer gets the model's parameters, the schedule
+(:func:`adaloss.runner.utils.targets.build_group`): the optimizer gets the model's parameters, the schedule
 the optimizer and the run's length, when the trainer has them. Bundled: ``torch.optim.SGD``
 (``optimizer=sgd``), ``torch.optim.AdamW`` (``optimizer=adamw``), :func:`multistep` and :func:`warmup_cosine`;
 any ``torch.optim`` optimizer or ``torch.optim.lr_scheduler`` class plugs in the same way.
@@ -18,7 +18,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from adaloss.errors import ConfigError
-from adaloss.runner.utils.targets import build_target, config_items
+from adaloss.runner.utils.targets import build_group, config_items
 
 __all__ = [
     "MultiStepWithWarmup",
@@ -120,19 +120,15 @@ def build_optimizer(cfg: Any, model: nn.Module) -> torch.optim.Optimizer:
         bias_lr_factor=float(items.get("bias_lr_factor", 1.0)),
         lr=float(items["lr"]) if items.get("lr") is not None else None,
     )
-    optimizer = build_target(
-        "optimizer",
-        cfg,
-        example="optimizer._target_=torch.optim.AdamW",
-        args=(groups,),
+    return build_group(
+        "optimizer", cfg, example="optimizer._target_=torch.optim.AdamW", args=(groups,),
         metadata=OPTIMIZER_METADATA,
-    )
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ConfigError(
-            f"optimizer._target_={items.get('_target_')} made a {type(optimizer).__name__}, not a "
-            "torch.optim.Optimizer: name an optimizer class, e.g. optimizer._target_=torch.optim.AdamW"
-        )
-    return optimizer
+        expect=(
+            lambda made: isinstance(made, torch.optim.Optimizer),
+            "made a {made}, not a torch.optim.Optimizer: name an optimizer class, e.g. "
+            "optimizer._target_=torch.optim.AdamW",
+        ),
+    )  # fmt: skip
 
 
 class MultiStepWithWarmup:
@@ -242,10 +238,10 @@ def build_schedule(cfg: Any, optimizer: torch.optim.Optimizer, length: int) -> A
     """
     fill = dict.fromkeys(_LENGTH_PARAMETERS, int(length))
     example = "schedule._target_=torch.optim.lr_scheduler.CosineAnnealingLR"
-    schedule = build_target("schedule", cfg, example=example, args=(optimizer,), fill=fill)
-    if not (callable(getattr(schedule, "step", None)) and callable(getattr(schedule, "state_dict", None))):
-        raise ConfigError(
-            f"schedule._target_={config_items(cfg).get('_target_')} made a {type(schedule).__name__}, not a "
-            "learning-rate schedule (step() and state_dict()): e.g. schedule=cosine"
-        )
-    return schedule
+    return build_group(
+        "schedule", cfg, example=example, args=(optimizer,), fill=fill,
+        expect=(
+            lambda made: all(callable(getattr(made, m, None)) for m in ("step", "state_dict")),
+            "made a {made}, not a learning-rate schedule (step() and state_dict()): e.g. schedule=cosine",
+        ),
+    )  # fmt: skip

@@ -320,7 +320,7 @@ class RunFolder:
         folder.lock()                                   # refuses a folder a live run holds
         try:
             ...                                         # build; admission.check_folder(folder, ...)
-            folder.commit(key, cfg)                     # run_key.json and .hydra/
+            folder.commit(key, config_yaml)             # run_key.json and .hydra/
             ...                                         # train; metrics.json
             folder.mark_done()                          # last: the run is finished
         finally:
@@ -370,12 +370,12 @@ class RunFolder:
             return None
         return key if isinstance(key, dict) else None
 
-    def commit(self, key: Mapping[str, Any], cfg: Any) -> None:
+    def commit(self, key: Mapping[str, Any], config_yaml: str) -> None:
         """The start is accepted: record ``key`` in ``run_key.json`` and write Hydra's ``.hydra/`` files
-        (``config.yaml``, ``hydra.yaml``, ``overrides.yaml``, as Hydra would have) when Hydra launched this
-        run in this folder. A ``done`` marker already there (a finished run resumed from one of its
-        checkpoint files) is removed first: the record is about to be rewritten. Cost: four small atomic
-        writes."""
+        (``config.yaml``: ``config_yaml``, the composed config; ``hydra.yaml``, ``overrides.yaml``, as Hydra
+        would have) when Hydra launched this run in this folder. A ``done`` marker already there (a finished
+        run resumed from one of its checkpoint files) is removed first: the record is about to be rewritten.
+        Cost: four small atomic writes."""
         self.committed = True
         if not self.enabled:
             return
@@ -389,7 +389,7 @@ class RunFolder:
         from omegaconf import OmegaConf
 
         files = {
-            "config.yaml": OmegaConf.to_yaml(cfg),
+            "config.yaml": config_yaml,
             "hydra.yaml": OmegaConf.to_yaml(hydra),
             "overrides.yaml": OmegaConf.to_yaml(hydra.hydra.overrides.task),
         }

@@ -8,26 +8,28 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
-
 from adaloss.errors import ConfigError
 
 __all__ = ["check_config_key", "config_key", "key_differences", "model_differences"]
 
 
-def config_key(cfg: DictConfig, steps: int | None) -> dict[str, Any]:
-    """The config fields a checkpoint must be resumed with (``steps``: the iterations of the run; None
-    leaves that field out, for a comparison made before the data fixes the run length).
+def config_key(
+    model: str, dataset: str, scaler: str, precision: str, batch_size: int, seed: int, steps: int | None
+) -> dict[str, Any]:
+    """The settings a checkpoint must be resumed with: the groups' names (``model.name``, ...),
+    ``trainer.batch_size``, ``seed`` and ``steps``, the iterations of the run (None leaves that field out,
+    for a comparison made before the data fixes the run length). The composition root reads them from the
+    config (:func:`adaloss.runner.engine.compose.run_key`).
 
     Everything else (learning rate, scaler hyperparameters, logging cadence, ...) may change on resume.
     """
-    key = {
-        "model": str(cfg.model.name),
-        "dataset": str(cfg.dataset.name),
-        "scaler": str(cfg.scaler.name),
-        "precision": str(cfg.precision.name),
-        "batch_size": int(cfg.trainer.batch_size),
-        "seed": int(cfg.seed),
+    key: dict[str, Any] = {
+        "model": str(model),
+        "dataset": str(dataset),
+        "scaler": str(scaler),
+        "precision": str(precision),
+        "batch_size": int(batch_size),
+        "seed": int(seed),
     }
     if steps is not None:
         key["steps"] = int(steps)

@@ -16,8 +16,8 @@ the evaluation metric.
 
 Every task is built from the ``task`` config group's ``_target_`` (``configs/task/``; each dataset config
 selects the one its data calls for, ``task=custom task._target_=my_pkg.MyTask`` plugs in a class of the
-user's): :func:`build_task`. A task's ``kind`` names the data it trains on; :func:`check_model_and_dataset`
-refuses a bundled model of another kind before anything is built.
+user's): :func:`build_task`. A task's ``kind`` names the data it trains on; the config's check
+(:mod:`adaloss.runner.engine.config`) refuses a bundled model of another kind before anything is built.
 """
 
 from __future__ import annotations
@@ -36,9 +36,8 @@ from adaloss.precision import Precision
 from adaloss.runner.data import DatasetInfo, detection_collate
 from adaloss.runner.engine.evaluate import evaluate
 from adaloss.runner.metrics.voc_map import voc07_map
-from adaloss.runner.models import GPT, SSDDetector, build_model, bundled_model
+from adaloss.runner.models import GPT, SSDDetector, build_model
 from adaloss.runner.models.ssd import lsuv_init_
-from adaloss.runner.schemas import schema_of
 
 __all__ = [
     "ClassificationTask",
@@ -47,7 +46,6 @@ __all__ = [
     "LanguageModelTask",
     "Task",
     "build_task",
-    "check_model_and_dataset",
     "mask_tokens",
     "task_class",
 ]
@@ -383,27 +381,15 @@ def _perplexity(loss: float) -> float:
     return math.exp(loss) if loss < 700 else math.inf  # exp overflows a float past ~709
 
 
-#: Per kind of data (a task's ``kind``): what its models and its datasets are called in messages, and
-#: examples of each.
-_KINDS = {
-    "classification": (
-        "an image classifier",
-        "classification",
-        "model=resnet20 or model=vit",
-        "dataset=digits",
-    ),
-    "detection": ("a detector", "detection", "model=ssd512 or model=ssd300", "dataset=shapes or dataset=voc"),
-    "language_model": ("a language model", "text", "model=gpt", "dataset=pystdlib or dataset=tokens"),
-}
 _EXAMPLE = "task=custom task._target_=my_pkg.MyTask"
 
 
-def task_class(cfg_task: Any) -> type[Task]:
+def task_class(task: Any) -> type[Task]:
     """The class a ``task`` config's ``_target_`` names (imported, not built); ``ConfigError`` if it is not
     a :class:`Task`."""
     from adaloss.runner.utils.targets import config_items, locate_target
 
-    path = config_items(cfg_task).get("_target_")
+    path = config_items(task).get("_target_")
     cls = locate_target("task", path, _EXAMPLE)
     if not (isinstance(cls, type) and issubclass(cls, Task)):
         raise ConfigError(
@@ -414,76 +400,40 @@ def task_class(cfg_task: Any) -> type[Task]:
     return cls
 
 
-def check_model_and_dataset(cfg: Any) -> None:
-    """``ConfigError`` unless a bundled model suits the task its dataset selects (``cfg.task``: a detector
-    needs detection data, a language model text, a classifier images). A model of the user's own
-    (``model=custom``) and a task of the user's without a ``kind`` are checked when they are built. Reads
-    the names and the model's schema; builds nothing."""
-    name, bundled = bundled_model(cfg.model)
-    model_kind = getattr(schema_of(bundled), "TASK", None) if bundled is not None else None
-    data_kind = task_class(cfg.task).kind
-    held = getattr(schema_of(cfg.dataset), "TASK", None)  # what a bundled dataset holds
-    if held is not None and data_kind is not None and held != data_kind:
-        raise ConfigError(
-            f"task={cfg.task.name} trains {data_kind} but dataset={cfg.dataset.name} holds {held} data: "
-            f"leave the task to the dataset (task={held}) or choose a {data_kind} dataset"
-        )
-    if model_kind is None or data_kind is None or model_kind == data_kind:
-        return
-    dataset = f"{cfg.dataset.name}"
-    task = f"(task={cfg.task.name})"
-    if "detection" in (model_kind, data_kind) and "language_model" not in (model_kind, data_kind):
-        if model_kind == "detection":
-            raise ConfigError(
-                f"model={name} is a detector but dataset={dataset} is a classification dataset {task}: use "
-                "a detection dataset (dataset=shapes or dataset=voc) or a classifier (e.g. model=resnet20)"
-            )
-        raise ConfigError(
-            f"dataset={dataset} is a detection dataset but model={name} is a classifier {task}: use a "
-            "detector (model=ssd512 or model=ssd300) or a classification dataset (e.g. dataset=cifar10)"
-        )
-    what, _, _, model_data = _KINDS[model_kind]
-    _, data_what, data_model, _ = _KINDS[data_kind]
-    raise ConfigError(
-        f"model={name} is {what} but dataset={dataset} is a {data_what} dataset {task}: use {model_data} "
-        f"for this model, or {data_model} for this dataset"
-    )
-
-
-def build_task(cfg: Any, info: DatasetInfo, device: torch.device) -> Task:
-    """The run's task: ``hydra.utils.instantiate`` of ``cfg.task``'s ``_target_`` (the dataset's config
-    selects it: ``task=detection`` for ``dataset=shapes``), called with the model (``cfg.model``, built for
-    the data, on ``device``), ``device`` and the dataset's ``info`` where its ``__init__`` names them.
+def build_task(task: Any, model: Any, info: DatasetInfo, device: torch.device) -> Task:
+    """The run's task: ``hydra.utils.instantiate`` of the ``task`` node's ``_target_`` (the dataset's config
+    selects it: ``task=detection`` for ``dataset=shapes``), called with the model (of the ``model`` node,
+    built for the data, on ``device``), ``device`` and the dataset's ``info`` where its ``__init__`` names
+    them. Both nodes are built with :func:`adaloss.runner.utils.targets.build_group` (checked by their schema
+    there).
 
     Raises ``ConfigError`` for a task that does not serve the data (``info.task``, as the dataset's builder
     returned it, against the task's ``kind``), and for a model the task cannot train (the task's
     ``__init__``: a classifier on detection data, a GPT too small for the data's vocabulary or context).
     """
-    from adaloss.runner.schemas import typed
-    from adaloss.runner.utils.targets import build_target
+    from adaloss.runner.utils.targets import build_group, config_items
 
-    node = typed("task", cfg.task)
-    kind, data_kind = task_class(node).kind, getattr(info, "task", "classification")
+    kind, data_kind = task_class(task).kind, getattr(info, "task", "classification")
     if kind is not None and kind != data_kind:
         raise ConfigError(
-            f"dataset {info.name} holds {data_kind} data (its DatasetInfo.task) but task={node.name} trains "
-            f"{kind}: choose task={data_kind} (a dataset of your own selects no task: add it on the command "
-            "line)"
+            f"dataset {info.name} holds {data_kind} data (its DatasetInfo.task) but "
+            f"task={config_items(task).get('name')} trains {kind}: choose task={data_kind} (a dataset of "
+            "your own selects no task: add it on the command line)"
         )
-    model = build_model(
-        cfg.model,
+    module = build_model(
+        model,
         info.num_classes,
         input_shape=info.input_shape if all(info.input_shape) else None,  # text has no image shape
         vocab_size=getattr(info, "vocab_size", None),
         block_size=getattr(info, "block_size", None),
     ).to(device)
-    made = build_target("task", node, example=_EXAMPLE, fill={"model": model, "device": device, "info": info})
-    if not isinstance(made, Task):
-        raise ConfigError(
-            f"task._target_={node._target_} returned a {type(made).__name__}, not an "
-            f"adaloss.runner.engine.tasks.Task: e.g. {_EXAMPLE}"
-        )
-    return made
+    return build_group(
+        "task", task, example=_EXAMPLE, fill={"model": module, "device": device, "info": info},
+        expect=(
+            lambda made: isinstance(made, Task),
+            f"returned a {{made}}, not an adaloss.runner.engine.tasks.Task: e.g. {_EXAMPLE}",
+        ),
+    )  # fmt: skip
 
 
 class _Window:

@@ -67,17 +67,15 @@ from torch import nn
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from adaloss.distributed import DistInfo, destroy
-from adaloss.errors import ConfigError
 from adaloss.precision import Precision
 from adaloss.runner.engine.admission import Admission
 from adaloss.runner.engine.checkpoint import (
     CheckpointManager,
     Resume,
-    config_key,
     save_atomic,
 )
-from adaloss.runner.engine.compose import Run, build_run, schedule_length
-from adaloss.runner.engine.config import resolved_config, validate_config
+from adaloss.runner.engine.compose import Launch, Run, build_run, launch_device
+from adaloss.runner.engine.config import validate_config
 from adaloss.runner.engine.faults import SkippedStepReport, TrainingDiverged
 from adaloss.runner.engine.run_folder import (
     RunFolder,
@@ -89,7 +87,6 @@ from adaloss.runner.engine.signals import RunInterrupted, StopRequests
 from adaloss.runner.engine.tasks import Evaluation
 from adaloss.runner.logging import NullLogger, ProgressBar, TelemetryLog, write_json_atomic
 from adaloss.runner.logging.run_log import ScalarLog, progress_line, run_name_on_log_lines
-from adaloss.runner.utils import select_device
 from adaloss.runner.utils.allocator import tune_cpu_allocator
 from adaloss.scalers import LossScaler
 from adaloss.telemetry import UnderflowMonitor
@@ -152,7 +149,7 @@ def train(cfg: DictConfig, callbacks: Sequence[StepCallback] = ()) -> dict[str, 
             ``diverged: true`` and a null test metric (what the paper's tables print as "diverged").
     """
     started = time.perf_counter()
-    device = select_device(cfg.device)  # the one setting needed before the config is checked: the group's
+    device = launch_device(cfg)  # the one setting needed before the config is checked: the group's
     owns_group = not (dist.is_available() and dist.is_initialized())  # else a test's or a sweep's: keep it
     adaloss_log = logging.getLogger("adaloss")
     level, keep_group = adaloss_log.level, False
@@ -168,18 +165,17 @@ def train(cfg: DictConfig, callbacks: Sequence[StepCallback] = ()) -> dict[str, 
         if not ranks.is_main:
             adaloss_log.setLevel(max(logging.WARNING, level))  # one voice: rank 0 logs progress
         numerics = validate_config(cfg, ranks.device)  # every check; the run's (precision, scaler)
-        run_dir, config = _output_dir(cfg), resolved_config(cfg)
+        launch = Launch.of(cfg)  # the folder, the resolved config, the resume setting
         if device.type == "cpu":
             tune_cpu_allocator()  # no page faults per step from malloc handing memory back
-        if ranks.is_distributed:
-            # the folder rank 0's Hydra chose (an unset hydra.run.dir holds a timestamp, which may differ)
-            run_dir = Path(ranks.broadcast(str(run_dir)))
-        admission = Admission(cfg.get("resume"), run_dir, config, ranks)
-        if (finished := admission.finished(_known_key(cfg))) is not None:
+        # under torchrun: the folder rank 0's Hydra chose (an unset hydra.run.dir holds a timestamp)
+        run_dir = Path(ranks.broadcast(str(launch.run_dir))) if ranks.is_distributed else launch.run_dir
+        admission = Admission(launch.resume, run_dir, launch.config, ranks)
+        if (finished := admission.finished(launch.known_key)) is not None:
             return finished  # resume=auto on a finished run: nothing to do
         folder = RunFolder(run_dir, enabled=ranks.is_main)
         admission.lock(folder)  # first: a refused start must not write or log anything
-        with run_name_on_log_lines(_sweep_tag(cfg)):
+        with run_name_on_log_lines(_sweep_tag(launch.name)):
             metrics = _train(cfg, callbacks, started, admission, folder, stop, numerics)
         ranks.barrier()  # nobody leaves while another rank may still talk to it
         return metrics
@@ -215,7 +211,7 @@ def _resume(run: Run, admission: Admission, folder: RunFolder) -> None:
     """Resume phase: continue from a checkpoint (``resume=auto|<file>``) or start fresh (``resume=null``).
     Every check comes first (:meth:`Admission.admit`); then the run takes its folder (``run_key.json``,
     ``.hydra/``) and opens its logs (:func:`_open_logs`)."""
-    cfg, ranks = run.cfg, run.ranks
+    ranks = run.ranks
     resumed = admission.admit(folder, run.checkpoints, run.key, run.module)
     if resumed is not None:
         run.parts.load_state_dict(resumed.state, resumed.path)  # fsdp2: every rank reads its shards
@@ -225,7 +221,7 @@ def _resume(run: Run, admission: Admission, folder: RunFolder) -> None:
                  resumed.path, run.done, run.steps, run.batches.epoch, run.batches.batch_index)  # fmt: skip
     ranks.barrier()  # every rank has read its checkpoint before rank 0 renames any
     # every check passed: from here on the run writes into its folder
-    folder.commit(run.key, cfg)  # run_key.json and .hydra/
+    folder.commit(run.key, run.config_yaml)  # run_key.json and .hydra/
     _open_logs(run, resumed)
 
 
@@ -534,25 +530,6 @@ def _metrics(run: Run, diverged: TrainingDiverged | None) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------- helpers
 
 
-def _output_dir(cfg: DictConfig) -> Path:
-    """The run folder, ``paths.output_dir``; a ``ConfigError`` when it cannot be resolved."""
-    try:
-        return Path(str(cfg.paths.output_dir))
-    except Exception as error:  # the ${hydra:...} default only resolves inside @hydra.main
-        raise ConfigError(
-            f"paths.output_dir cannot be resolved ({error}); set paths.output_dir=<folder> when composing "
-            "the config outside train.py"
-        ) from None
-
-
-def _known_key(cfg: DictConfig) -> dict[str, Any]:
-    """``config_key`` with the run length where the config alone fixes it (``trainer.steps``; else the data
-    does, and the length is left out): what a finished run's record is compared with before the build."""
-    trainer = cfg.trainer
-    steps = schedule_length(trainer, 0)[1] if trainer.get("steps") is not None else None
-    return config_key(cfg, steps)
-
-
 def _layerwise(scaler: LossScaler) -> bool:
     """Whether the scaler has one scale per layer (its ``loss_scale_metric()`` is a dict)."""
     return isinstance(scaler.loss_scale_metric(), dict)
@@ -565,7 +542,7 @@ def _schedule_note(steps: int, full_steps: int) -> str:
     return f"schedule {full_steps}"
 
 
-def _sweep_tag(cfg: DictConfig) -> str | None:
+def _sweep_tag(name: str) -> str | None:
     """``job <n> <run name>`` for the log lines of a sweep's job (``-m``), else None."""
     if not _in_sweep():
         return None
@@ -575,7 +552,7 @@ def _sweep_tag(cfg: DictConfig) -> str | None:
         number = HydraConfig.get().job.num
     except Exception:  # noqa: BLE001 - a sweep without job numbers: the name alone
         number = "?"
-    return f"job {number} {cfg.name}".replace("%", "%%")
+    return f"job {number} {name}".replace("%", "%%")
 
 
 def _stopped_by_signal(

@@ -565,9 +565,7 @@ def _storage_summary(per_layer: Mapping[str, Mapping[str, Any]]) -> dict[str, fl
     return out
 
 
-def build_logger(
-    cfg_logger: Any, run_dir: Path, config: Mapping[str, Any], run_id: str | None = None
-) -> Logger:
+def build_logger(logger: Any, run_dir: Path, config: Mapping[str, Any], run_id: str | None = None) -> Logger:
     """The logger of a ``logger`` config: ``hydra.utils.instantiate`` on its ``_target_``
     (:func:`wandb_logger`, :class:`NullLogger` or a class of the user's), with ``run_dir``, ``config`` (the
     resolved run config) and ``run_id`` (an earlier W&B run to continue) where the target takes them.
@@ -576,15 +574,15 @@ def build_logger(
     none; :mod:`adaloss.runner.schemas`). ``ConfigError`` for an unknown key, a wrong type or a value out of
     range.
     """
-    from adaloss.runner.schemas import schema_of, typed
-    from adaloss.runner.utils.targets import build_target
+    from adaloss.runner.schemas import schema_of
+    from adaloss.runner.utils.targets import build_group
 
-    if cfg_logger is not None and schema_of(cfg_logger) is None and "_target_" not in cfg_logger:
-        items = dict(cfg_logger)
-        cfg_logger = {**items, "name": "wandb" if items.get("wandb") else "none"}
-    node = typed("logger", cfg_logger if cfg_logger is not None else {"name": "none"})
+    node: Any = {"name": "none"} if logger is None else logger
+    if schema_of(node) is None and "_target_" not in node:
+        items = dict(node)
+        node = {**items, "name": "wandb" if items.get("wandb") else "none"}
     fill = {"run_dir": run_dir, "config": config, "run_id": run_id}
-    return build_target("logger", node, example="logger=custom logger._target_=my_pkg.MyLogger", fill=fill)
+    return build_group("logger", node, example="logger=custom logger._target_=my_pkg.MyLogger", fill=fill)
 
 
 def wandb_logger(

@@ -37,8 +37,8 @@ from adaloss.runner.models.mlp import MLP
 from adaloss.runner.models.ssd import DETECTION_MODEL_NAMES, SSDDetector
 from adaloss.runner.models.vgg import VGGNoBN
 from adaloss.runner.models.vit import ViT
-from adaloss.runner.schemas import SCHEMAS, check_node, schema_of
-from adaloss.runner.utils.targets import build_target, config_items, locate_target, target_parameters
+from adaloss.runner.schemas import SCHEMAS, schema_of
+from adaloss.runner.utils.targets import build_group, config_items, locate_target, target_parameters
 
 __all__ = [
     "DETECTION_MODEL_NAMES",
@@ -137,7 +137,7 @@ def bundled_model(cfg: Any) -> tuple[str, DictConfig | None]:
 
 def _typed_model(cfg: Any) -> Any:
     """``cfg`` ready to build: a composed node as it is; a mapping without ``_target_`` of a bundled name
-    that model's config with the mapping's keys on top, checked against its schema."""
+    that model's config with the mapping's keys on top (:func:`build_model` checks it against its schema)."""
     name, bundled = bundled_model(cfg)
     if schema_of(cfg) is not None or bundled is None:
         return cfg
@@ -147,7 +147,6 @@ def _typed_model(cfg: Any) -> Any:
         node = OmegaConf.merge(node, config_items(cfg))
     except Exception as error:  # noqa: BLE001 - an unknown key or a wrong type: one line naming it
         raise ConfigError(f"model {name}: {str(error).splitlines()[0]}") from None
-    check_node(node, "model")
     return node
 
 
@@ -183,15 +182,14 @@ def build_model(
         fill.update({k: v for k, v in from_shape.items() if k not in fill})
     else:
         fill.update(_required_only(cfg, from_shape))
-    model = build_target("model", cfg, example=_EXAMPLE, fill=fill)
-    if not isinstance(model, nn.Module):
-        target = config_items(cfg).get("_target_")
-        raise ConfigError(
-            f"model._target_={target} returned a {type(model).__name__}, not a torch.nn.Module: name the "
-            "module's "
-            f"class (or a function that returns one), e.g. {_EXAMPLE}"
-        )
-    return model
+    return build_group(
+        "model", cfg, example=_EXAMPLE, fill=fill,
+        expect=(
+            lambda made: isinstance(made, nn.Module),
+            "returned a {made}, not a torch.nn.Module: name the module's class (or a function that returns "
+            f"one), e.g. {_EXAMPLE}",
+        ),
+    )  # fmt: skip
 
 
 def build_detector(cfg: Any, num_classes: int) -> SSDDetector:

@@ -55,9 +55,12 @@ def config_path(config: str) -> Path:
     )
 
 
-def _config(config: str, vocab_size: int | None, block_size: int | None, attn_implementation: str) -> Any:
+def _config(
+    config: str, vocab_size: int | None, block_size: int | None, attn_implementation: str, **fields_: Any
+) -> Any:
     """The transformers config of the file ``config`` (:func:`config_path`; its ``model_type`` picks the
-    class) with ``vocab_size`` tokens, room for ``block_size`` positions and ``use_cache=False``."""
+    class) with ``vocab_size`` tokens, room for ``block_size`` positions, ``use_cache=False`` and
+    ``fields_`` (``mask_token_id``) on top."""
     transformers = _transformers()
     fields = json.loads(config_path(config).read_text())
     if "model_type" not in fields:
@@ -73,9 +76,9 @@ def _config(config: str, vocab_size: int | None, block_size: int | None, attn_im
         if key in fields and block_size is not None:
             fields[key] = max(int(fields[key]), int(block_size))
     fields["use_cache"] = False
-    cfg = transformers.AutoConfig.for_model(**fields)
-    cfg._attn_implementation = attn_implementation
-    return cfg
+    made = transformers.AutoConfig.for_model(**{**fields, **fields_})
+    made._attn_implementation = attn_implementation
+    return made
 
 
 def causal_lm(
@@ -88,8 +91,8 @@ def causal_lm(
     (:func:`config_path`; its ``model_type`` picks the class), with ``vocab_size`` tokens and room for
     ``block_size`` positions, and ``use_cache=False`` (a training forward returns no key/value cache;
     ``generate(use_cache=True)`` still uses one). ``attn_implementation``: ``eager`` or ``sdpa``."""
-    cfg = _config(config, vocab_size, block_size, attn_implementation)
-    return _transformers().AutoModelForCausalLM.from_config(cfg)
+    made = _config(config, vocab_size, block_size, attn_implementation)
+    return _transformers().AutoModelForCausalLM.from_config(made)
 
 
 def mask_token_id(vocab_size: int) -> int:
@@ -110,7 +113,6 @@ def masked_lm(
     and room for ``block_size`` positions. The language-model task masks the inputs and counts the loss
     on the masked positions only (``task.masking``, which the config's ``model.masking`` sets)."""
     vocab = None if vocab_size is None else int(vocab_size) + 1
-    cfg = _config(config, vocab, block_size, attn_implementation)
-    if vocab_size is not None:
-        cfg.mask_token_id = mask_token_id(vocab_size)
-    return _transformers().AutoModelForMaskedLM.from_config(cfg)
+    mask = {} if vocab_size is None else {"mask_token_id": mask_token_id(vocab_size)}
+    made = _config(config, vocab, block_size, attn_implementation, **mask)
+    return _transformers().AutoModelForMaskedLM.from_config(made)

@@ -30,6 +30,7 @@ from adaloss.runner.schemas import arguments, schema_of, typed
 from adaloss.scalers import LossScaler
 
 __all__ = [
+    "build_group",
     "build_precision",
     "build_scaler",
     "build_target",
@@ -42,18 +43,18 @@ __all__ = [
 _SPECIAL = frozenset({"_target_", "_partial_", "_convert_", "_recursive_", "_args_"})
 
 
-def config_items(cfg: Any) -> dict[str, Any]:
+def config_items(node: Any) -> dict[str, Any]:
     """The keys of a config node (DictConfig, dict or attribute object) as plain Python values."""
-    if isinstance(cfg, DictConfig):
-        out = OmegaConf.to_container(cfg, resolve=True)
+    if isinstance(node, DictConfig):
+        out = OmegaConf.to_container(node, resolve=True)
         assert isinstance(out, dict)
         return {str(k): v for k, v in out.items()}
-    if isinstance(cfg, Mapping):
+    if isinstance(node, Mapping):
         return {
             str(k): OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
-            for k, v in cfg.items()
+            for k, v in node.items()
         }
-    return dict(vars(cfg))
+    return dict(vars(node))
 
 
 def locate_target(group: str, path: Any, example: str) -> Callable[..., Any]:
@@ -167,6 +168,32 @@ def build_target(
     return made
 
 
+def build_group(
+    group: str,
+    node: Any,
+    *,
+    example: str,
+    fill: Mapping[str, Any] | None = None,
+    args: tuple[Any, ...] = (),
+    metadata: Iterable[str] = ("name",),
+    expect: tuple[Callable[[Any], bool], str] | None = None,
+) -> Any:
+    """The part a ``group`` config node describes: the node typed and checked by its schema, once
+    (:func:`adaloss.runner.schemas.typed`: a composed node is checked, a plain mapping ``{"name": "fixed"}``
+    takes the schema of that name), then built by :func:`build_target` with ``fill`` and ``args``. Every
+    group's builder calls this.
+
+    ``expect``: ``(test, what)``: ``ConfigError`` unless ``test(part)``; ``what`` completes the message
+    ``<group>._target_=<path> `` with ``{made}`` standing for the part's type name
+    (``"made a {made}, not a LossScaler: ..."``). Cost: the schema's checks, one import and one call."""
+    typed_node = typed(group, node)
+    made = build_target(group, typed_node, example=example, fill=fill, args=args, metadata=metadata)
+    if expect is not None and not expect[0](made):
+        path = config_items(typed_node).get("_target_")
+        raise ConfigError(f"{group}._target_={path} " + expect[1].format(made=type(made).__name__))
+    return made
+
+
 def build_scaler(cfg: Mapping[str, Any], fmt: FloatFormat | None = None) -> LossScaler:
     """The loss scaler of a ``scaler`` config: ``hydra.utils.instantiate`` on its ``_target_``, with ``fmt``
     (the training gradient format; ``None`` for FP32) if the class takes it (the adaptive scaler scales
@@ -176,16 +203,14 @@ def build_scaler(cfg: Mapping[str, Any], fmt: FloatFormat | None = None) -> Loss
     mapping: ``{"name": "fixed", "scale": 8}`` takes the schema of that name, ``{"_target_": ...}`` is the
     class's own. Raises ``ConfigError`` for an unknown name or key, a wrong type or a value out of range.
     """
-    node = typed("scaler", cfg)
-    scaler = build_target(
-        "scaler", node, example="scaler=custom scaler._target_=my_pkg.MyScaler", fill={"fmt": fmt}
-    )
-    if not isinstance(scaler, LossScaler):
-        raise ConfigError(
-            f"scaler._target_={node.get('_target_')} made a {type(scaler).__name__}, not a LossScaler: "
-            "subclass adaloss.scalers.LossScaler (torch.amp.GradScaler's interface)"
-        )
-    return scaler
+    return build_group(
+        "scaler", cfg, example="scaler=custom scaler._target_=my_pkg.MyScaler", fill={"fmt": fmt},
+        expect=(
+            lambda made: isinstance(made, LossScaler),
+            "made a {made}, not a LossScaler: subclass adaloss.scalers.LossScaler (torch.amp.GradScaler's "
+            "interface)",
+        ),
+    )  # fmt: skip
 
 
 def build_precision(cfg: Any, device: str | Any, telemetry_format: str = "fp16") -> Precision:
@@ -195,7 +220,7 @@ def build_precision(cfg: Any, device: str | Any, telemetry_format: str = "fp16")
     (:mod:`adaloss.runner.schemas`) first. ``ConfigError`` for an unknown key, a wrong type or a value out of
     range."""
     fill = {"device": device, "telemetry_format": telemetry_format}
-    return build_target("precision", typed("precision", cfg), example="precision=fp16", fill=fill)
+    return build_group("precision", cfg, example="precision=fp16", fill=fill)
 
 
 def _check_binding(group: str, path: str, obj: Any, args: tuple, kwargs: dict[str, Any]) -> None:
