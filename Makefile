@@ -26,7 +26,7 @@ setup: $(STAMP) ## create .venv (Python 3.11): torch 2.14.1, torchvision 0.29.1,
 # many threads as cores to work, and their spin-waits cost a third of the suite's time on the 2-core machines.
 TEST_THREADS ?= OMP_NUM_THREADS=1
 
-test: setup ## run the test suite on the CPU, two pytest workers of one thread (8-15 minutes on 2 shared cores)
+test: setup ## run the test suite on the CPU, two pytest workers of one thread (about 7-8 minutes on 2 cores)
 	$(TEST_THREADS) $(PY) -m pytest -q -n 2 --dist worksteal -m "not slow" tests
 
 test-full: setup ## run every test, the slow ones included (two pytest workers of one thread)
